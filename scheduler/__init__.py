@@ -1,0 +1,22 @@
+"""ProServe's policy core: pure Python, no engine, network or file I/O.
+
+* :mod:`scheduler.request`   — the request model
+* :mod:`scheduler.tdg`       — TDG gain (Eq. 3) and the §5.1 metrics
+* :mod:`scheduler.estimator` — batch latency estimator (Eq. 4-7) with online β
+* :mod:`scheduler.local`     — SlideBatching (Alg. 1), baselines, ablations
+* :mod:`scheduler.routing`   — GoRouting (Alg. 2) and global baselines
+* :mod:`scheduler.registry`  — choose any policy by name
+"""
+
+from . import local, routing  # noqa: F401  (registers the policies)
+from .config import default_classes
+from .estimator import BatchSample, Estimator, LatencyModel, OnlineCorrector
+from .registry import global_names, local_names, make_global, make_local
+from .request import ConfigError, Phase, PriorityClass, Request
+from .tdg import GainConfig, summarize
+
+__all__ = [
+    "BatchSample", "ConfigError", "Estimator", "GainConfig", "LatencyModel", "OnlineCorrector",
+    "Phase", "PriorityClass", "Request", "default_classes", "global_names", "local_names",
+    "make_global", "make_local", "summarize",
+]

@@ -1,0 +1,155 @@
+"""The interface every local (engine-level) batch policy implements.
+
+Each step the body (the simulator's instance, or the vLLM scheduler plugin)
+hands the policy an :class:`InstanceView` — the requests waiting for prefill
+(including partially prefilled ones), the requests decoding, the free KV
+blocks — and gets back a :class:`BatchPlan`: per-request prefill chunk sizes,
+the decode requests to run, and :class:`ScheduleInfo` saying why (latency
+budget, urgent/normal counts) for logs and plots.
+
+Policies never mutate request state other than their scratch fields
+(``exec``, ``remain``, ``density``, ``urgent``); the body applies the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping
+
+from ..estimator import Estimator
+from ..request import ConfigError, PriorityClass, Request
+from ..tdg import GainConfig
+
+COLOCATED = "colocated"        # PD co-located: prefill chunks and decodes share a batch
+PREFILL_ONLY = "prefill_only"  # PD disaggregated prefill instance
+MODES = (COLOCATED, PREFILL_ONLY)
+
+
+@dataclass
+class InstanceView:
+    now: float
+    waiting: list[Request]       # need prefill; partially prefilled ones hold KV already
+    decoding: list[Request] = field(default_factory=list)
+    free_blocks: int = 1 << 30
+    block_size: int = 16
+    mode: str = COLOCATED
+
+
+@dataclass
+class ScheduleInfo:
+    t_budget: float = float("nan")   # latency budget (Alg. 1 line 7), or NaN for token-budget policies
+    token_budget: int = 0            # token budget, 0 when the policy uses a latency budget
+    n_urgent: int = 0
+    n_normal: int = 0
+    est_time: float = 0.0            # β-corrected estimate of the batch's time
+
+
+@dataclass
+class BatchPlan:
+    prefill: list[tuple[Request, int]] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    info: ScheduleInfo = field(default_factory=ScheduleInfo)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefill) + len(self.decode)
+
+
+def blocks_for(req: Request, n_tokens: int, block_size: int) -> int:
+    """New KV blocks ``req`` needs to grow by ``n_tokens``."""
+    return math.ceil((req.kv_len + n_tokens) / block_size) - math.ceil(req.kv_len / block_size)
+
+
+class BatchBuilder:
+    """Accumulates a batch while tracking estimated time, tokens and KV blocks."""
+
+    def __init__(self, view: InstanceView, est: Estimator):
+        self.view = view
+        self.est = est
+        self.plan = BatchPlan()
+        self.time = est.t_c          # Alg. 1 line 14: t_batch ← t_c
+        self.tokens = 0
+        self.free_blocks = view.free_blocks
+
+    def add_decode(self, req: Request) -> bool:
+        need = blocks_for(req, 1, self.view.block_size)
+        if need > self.free_blocks:
+            return False
+        self.free_blocks -= need
+        self.plan.decode.append(req)
+        self.time += self.est.decode(req.kv_len)
+        self.tokens += 1
+        return True
+
+    def add_prefill(self, req: Request, n_tokens: int) -> int:
+        """Add up to ``n_tokens`` of ``req``'s prompt, fewer if memory is short. Returns tokens added."""
+        n = min(n_tokens, req.remaining_prefill)
+        bs = self.view.block_size
+        if n > 0 and blocks_for(req, n, bs) > self.free_blocks:
+            # largest chunk that fits the free blocks
+            n = min(n, self.free_blocks * bs + (-req.kv_len) % bs)
+        if n <= 0:
+            return 0
+        self.free_blocks -= blocks_for(req, n, bs)
+        self.plan.prefill.append((req, n))
+        self.time += self.est.prefill(n, req.kv_len)
+        self.tokens += n
+        return n
+
+    def memory_left(self, req: Request) -> bool:
+        return blocks_for(req, 1, self.view.block_size) <= self.free_blocks
+
+    def finish(self, **info) -> BatchPlan:
+        self.plan.info = ScheduleInfo(est_time=self.time, **info)
+        return self.plan
+
+
+class LocalPolicy(ABC):
+    """Base class of the local policies; subclasses set ``name`` and implement ``schedule``."""
+
+    name: ClassVar[str] = ""
+    #: one-line description for --help listings
+    summary: ClassVar[str] = ""
+
+    def __init__(self, estimator: Estimator, gain: GainConfig | None = None,
+                 classes: Mapping[str, PriorityClass] | None = None):
+        from ..config import default_classes
+
+        self.est = estimator
+        self.gain = gain or GainConfig()
+        self.classes = dict(classes or default_classes())
+
+    @abstractmethod
+    def schedule(self, view: InstanceView) -> BatchPlan:
+        """Form the next batch."""
+
+    def on_batch_done(self, plan: BatchPlan, now: float) -> None:
+        """Called by the body after a planned batch ran (stateful policies override)."""
+
+    # -- helpers shared by policies ---------------------------------------------
+    def min_tpot_slo(self) -> float:
+        return min(c.tpot_slo for c in self.classes.values())
+
+    def tbt_token_budget(self) -> int:
+        """Sarathi-Serve's profiled token budget: the largest prefill chunk
+        whose batch (chunk + t_c) fits within the tightest TPOT SLO."""
+        b = self.est.get_max_chunk(0, 1 << 20, self.min_tpot_slo() - self.est.t_c)
+        return max(b, 16)
+
+    def exec_time(self, r: Request) -> float:
+        """r.exec (Alg. 1 line 3): T~_pd of the request's next work, without t_c."""
+        if r.needs_prefill:
+            return self.est.prefill(r.remaining_prefill, r.kv_len)
+        return self.est.decode(r.kv_len)
+
+
+def check_params(where: str, **params: float) -> None:
+    for k, v in params.items():
+        if not isinstance(v, (int, float)) or v != v or v < 0:
+            raise ConfigError(f"{where}: {k} must be a number >= 0, got {v!r}")

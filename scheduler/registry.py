@@ -1,0 +1,74 @@
+"""Policy registries: every local and global policy is chosen by name.
+
+Policies register themselves with :func:`register_local` / :func:`register_global`
+when their module is imported; ``scheduler.local`` and ``scheduler.routing``
+import all of theirs, so ``make_local("slide_batching", ...)`` works after
+``import scheduler``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from .request import ConfigError
+
+_LOCAL: dict[str, type] = {}
+_GLOBAL: dict[str, type] = {}
+
+T = TypeVar("T", bound=type)
+
+
+def _register(table: dict[str, type], kind: str) -> Callable[[T], T]:
+    def deco(cls: T) -> T:
+        name = getattr(cls, "name", "")
+        if not name:
+            raise TypeError(f"{cls.__name__} has no 'name'")
+        if name in table and table[name] is not cls:
+            raise TypeError(f"{kind} policy {name!r} registered twice")
+        table[name] = cls
+        return cls
+    return deco
+
+
+register_local = _register(_LOCAL, "local")
+register_global = _register(_GLOBAL, "global")
+
+
+def _lookup(table: dict[str, type], kind: str, name: str) -> type:
+    try:
+        return table[name]
+    except KeyError:
+        raise ConfigError(f"unknown {kind} policy {name!r}; choose one of: {', '.join(sorted(table))}") from None
+
+
+def local_policy(name: str) -> type:
+    return _lookup(_LOCAL, "local", name)
+
+
+def global_policy(name: str) -> type:
+    return _lookup(_GLOBAL, "global", name)
+
+
+def local_names() -> list[str]:
+    return sorted(_LOCAL)
+
+
+def global_names() -> list[str]:
+    return sorted(_GLOBAL)
+
+
+def make_local(name: str, estimator, gain=None, classes=None, **params):
+    """Instantiate local policy ``name``; bad parameters raise ConfigError."""
+    cls = local_policy(name)
+    try:
+        return cls(estimator, gain, classes, **params)
+    except TypeError as e:
+        raise ConfigError(f"local policy {name!r}: {e}") from None
+
+
+def make_global(name: str, **params):
+    cls = global_policy(name)
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise ConfigError(f"global policy {name!r}: {e}") from None

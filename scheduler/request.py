@@ -1,0 +1,159 @@
+"""The request model shared by every policy, the simulator and the engines.
+
+A :class:`Request` carries what the paper's algorithms read (§2, §4):
+priority class and weight ``w_{p(r)}``, TTFT/TPOT SLOs, arrival time, prompt
+length, the output tokens emitted so far with their timestamps, its phase and
+its KV length. Times are seconds on whatever clock the caller uses (simulated
+time in ``sim/``, ``time.monotonic()`` in the engines); only differences matter.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the bad value."""
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"        # queued, no KV computed yet
+    PREFILLING = "prefilling"  # some prompt chunks computed (chunked prefill)
+    DECODING = "decoding"      # first token emitted, generating
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    """A client priority class: its weight ``w_{p(r)}`` and default SLOs.
+
+    Defaults (see :func:`scheduler.config.default_classes`) follow the paper's
+    §5.1 set-up: two classes, ``high`` with weight 2 and ``low`` with weight 1,
+    sharing the same SLOs so that only the weight differs.
+    """
+
+    name: str
+    weight: float
+    ttft_slo: float  # seconds
+    tpot_slo: float  # seconds
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("priority class name must be non-empty")
+        for attr in ("weight", "ttft_slo", "tpot_slo"):
+            v = getattr(self, attr)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(
+                    f"priority class {self.name!r}: {attr} must be a positive number, got {v!r}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the schedulers see it.
+
+    ``output_len`` is the number of tokens the request will produce. The
+    simulator knows it from the trace and uses it only to decide when a request
+    finishes; policies must not read it (real engines do not know it), except
+    the gain bookkeeping that needs the ideal gain at the end of a run.
+    """
+
+    id: str
+    priority: str
+    weight: float
+    ttft_slo: float
+    tpot_slo: float
+    arrival: float
+    prompt_len: int
+    output_len: int = 1
+    # --- mutable state -----------------------------------------------------
+    phase: Phase = Phase.WAITING
+    token_times: list[float] = field(default_factory=list)  # t_{r,i}, i = 1..
+    prefill_len: int = 0     # tokens to prefill (prompt, or prompt+generated after a preemption)
+    prefilled: int = 0       # tokens of prefill_len already computed
+    kv_len: int = 0          # tokens whose KV is in the cache
+    instance: int | None = None
+    # per-policy scratch values (Alg. 1 lines 3-5 and 9-12), set by the policy
+    exec: float = 0.0
+    remain: float = 0.0
+    density: float = 0.0
+    urgent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ConfigError(f"request {self.id}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.output_len < 1:
+            raise ConfigError(f"request {self.id}: output_len must be >= 1, got {self.output_len}")
+        for attr in ("weight", "ttft_slo", "tpot_slo"):
+            v = getattr(self, attr)
+            if not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"request {self.id}: {attr} must be positive, got {v!r}")
+        if self.prefill_len == 0:
+            self.prefill_len = self.prompt_len
+
+    # --- derived quantities --------------------------------------------------
+    @property
+    def num_emitted(self) -> int:
+        """``r.output_len`` in Algorithm 1: tokens emitted so far."""
+        return len(self.token_times)
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.prefill_len - self.prefilled
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.phase in (Phase.WAITING, Phase.PREFILLING)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.DONE
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (0 for one-token outputs)."""
+        n = len(self.token_times)
+        if n == 0:
+            return None
+        if n == 1:
+            return 0.0
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    def __repr__(self) -> str:  # short, for logs
+        return (f"Request({self.id}, {self.priority}, w={self.weight}, phase={self.phase.value}, "
+                f"prompt={self.prompt_len}, emitted={self.num_emitted}/{self.output_len})")
+
+    # --- state transitions used by the simulator and the engine adapters ----
+    def advance_prefill(self, n_tokens: int, now: float) -> bool:
+        """Record ``n_tokens`` of prefill computed in a step ending at ``now``.
+
+        Returns True when the prefill is complete; the step then also emits a
+        token (the first one, or the next one after a recompute preemption).
+        """
+        if n_tokens <= 0 or n_tokens > self.remaining_prefill:
+            raise ValueError(f"{self.id}: bad prefill chunk {n_tokens} (remaining {self.remaining_prefill})")
+        self.prefilled += n_tokens
+        self.kv_len += n_tokens
+        if self.prefilled < self.prefill_len:
+            self.phase = Phase.PREFILLING
+            return False
+        self.emit(now)
+        return True
+
+    def emit(self, now: float) -> None:
+        self.token_times.append(now)
+        self.phase = Phase.DONE if len(self.token_times) >= self.output_len else Phase.DECODING
+
+    def preempt(self) -> None:
+        """Recompute-style preemption (vLLM's default): drop the KV, re-prefill
+        prompt + generated tokens before the next token is emitted."""
+        # the last emitted token is an input of the next step, so it is re-prefilled too
+        self.prefill_len = self.prompt_len + self.num_emitted
+        self.prefilled = 0
+        self.kv_len = 0
+        self.phase = Phase.WAITING

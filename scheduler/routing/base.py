@@ -1,0 +1,117 @@
+"""The interface every global (service-level) routing policy implements, and
+the PrefillQueueMap the global scheduler keeps (§4.3).
+
+The global scheduler does not see the engines' internal state. It keeps, per
+prefill instance, the list of requests it dispatched there whose prefill has
+not finished yet (``PrefillQueueMap[p]``), the time of the last change to that
+list (``ts_p``, for timestamp lag compensation), and in the co-located setting
+the number of requests decoding there (``n_d``). Decode instances report their
+free KV blocks.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping, Sequence
+
+from ..estimator import Estimator
+from ..request import ConfigError, PriorityClass, Request
+from ..tdg import GainConfig
+
+DISAGGREGATED = "disaggregated"
+COLOCATED = "colocated"
+DEPLOYMENTS = (DISAGGREGATED, COLOCATED)
+
+
+@dataclass
+class PrefillInstance:
+    """What the global scheduler knows of one prefill (or co-located) instance."""
+
+    id: int
+    estimator: Estimator
+    queue: list[Request] = field(default_factory=list)  # PrefillQueueMap[p]
+    ts: float = 0.0                                     # ts_p: time of last queue update
+    n_decode: int = 0                                   # n_d (co-located only)
+    avg_decode_kv: float = 1024.0                       # kv length used for b_d (co-located)
+    healthy: bool = True
+
+
+@dataclass
+class DecodeInstance:
+    id: int
+    free_blocks: int = 0
+    healthy: bool = True
+
+
+class PrefillQueueMap:
+    """PrefillQueueMap of §4.3 over a list of :class:`PrefillInstance`."""
+
+    def __init__(self, instances: Sequence[PrefillInstance]):
+        self.instances = list(instances)
+        self._by_id = {p.id: p for p in self.instances}
+
+    def __getitem__(self, inst_id: int) -> PrefillInstance:
+        return self._by_id[inst_id]
+
+    def add(self, inst_id: int, req: Request, now: float) -> None:
+        """On dispatch: PrefillQueueMap[p].add(r)."""
+        p = self._by_id[inst_id]
+        p.queue.append(req)
+        p.ts = now
+
+    def remove(self, inst_id: int, req: Request, now: float) -> None:
+        """On the asynchronous prefill-completion signal: PrefillQueueMap[p].remove(r).
+
+        In the co-located setting the first token also means the request starts
+        decoding there: n_d += 1.
+        """
+        p = self._by_id[inst_id]
+        try:
+            p.queue.remove(req)
+        except ValueError:
+            return
+        p.ts = now
+
+    def decode_started(self, inst_id: int) -> None:
+        self._by_id[inst_id].n_decode += 1
+
+    def decode_finished(self, inst_id: int) -> None:
+        p = self._by_id[inst_id]
+        p.n_decode = max(0, p.n_decode - 1)
+
+
+class GlobalPolicy(ABC):
+    """Base of the routing policies: pick a prefill instance, then a decode instance."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def __init__(self, gain: GainConfig | None = None, classes: Mapping[str, PriorityClass] | None = None,
+                 deployment: str = DISAGGREGATED, seed: int = 0):
+        if deployment not in DEPLOYMENTS:
+            raise ConfigError(f"{self.name}: deployment must be one of {', '.join(DEPLOYMENTS)}, got {deployment!r}")
+        self.gain = gain or GainConfig()
+        self.classes = dict(classes or {})
+        self.deployment = deployment
+        self.rng = random.Random(seed)
+
+    @abstractmethod
+    def select_prefill(self, req: Request, prefills: Sequence[PrefillInstance], now: float) -> PrefillInstance:
+        """Choose the prefill (or co-located) instance for ``req``."""
+
+    def select_decode(self, req: Request, decodes: Sequence[DecodeInstance]) -> DecodeInstance:
+        """LOADBALANCE(D) of Alg. 2 line 20: the decode instance with the most free blocks."""
+        return max(decodes, key=lambda d: d.free_blocks)
+
+    def route(self, req: Request, prefills: Sequence[PrefillInstance],
+              decodes: Sequence[DecodeInstance] = (), now: float = 0.0):
+        """Return ``(prefill_instance, decode_instance_or_None)``; unhealthy instances are skipped."""
+        ps = [p for p in prefills if p.healthy]
+        if not ps:
+            raise RuntimeError("no healthy prefill instance")
+        p = self.select_prefill(req, ps, now)
+        ds = [d for d in decodes if d.healthy]
+        d = self.select_decode(req, ds) if ds else None
+        return p, d

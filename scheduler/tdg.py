@@ -1,0 +1,171 @@
+"""Token-level Deadline-aware Gain (TDG, §2 Eq. 3) and the system metrics of §5.1.
+
+    f_TDG(r)        = Σ_i w_r(i) · 1[t_{r,i} < deadline_{r,i}]
+    deadline_{r,i}  = TTFT_SLO + (i-1)·TPOT_SLO                 (from arrival)
+    w_r(1)          = w_p · w_{p(r)},   w_r(i>1) = w_d · w_{p(r)}
+
+Footnote 2 variant (``deadline="ttft_anchored"``), for front ends that cannot
+buffer the first token: ``deadline_{r,i} = min(TTFT_r, TTFT_SLO) + (i-1)·TPOT_SLO``.
+
+Metrics (overall and per priority class): TDG_Ratio = Σ f_TDG / Ideal_Gain,
+Miss_TDG_Ratio = 1 - TDG_Ratio, SLO attainment (TTFT and TPOT both *strictly*
+below their SLOs), TTFT/TPOT P50/P90/P99, throughput.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .request import ConfigError, Request
+
+DEADLINE_VARIANTS = ("fixed", "ttft_anchored")
+
+
+@dataclass(frozen=True)
+class GainConfig:
+    """Weights of the first token (``w_p``) and of each decode token (``w_d``).
+
+    Default ``w_p = w_d = 1``. The paper (§5.1) sets the ratio w_p/w_d to the
+    workload's mean input/output length ratio, so that the first token, which
+    costs a whole prefill, is worth about as much as the prompt it stands for;
+    :meth:`from_workload` does that, and the simulator and benchmark use it
+    unless ``--w-p``/``--w-d`` are given.
+    """
+
+    w_p: float = 1.0
+    w_d: float = 1.0
+    deadline: str = "fixed"
+
+    def __post_init__(self) -> None:
+        for attr in ("w_p", "w_d"):
+            v = getattr(self, attr)
+            if not math.isfinite(v) or v < 0:
+                raise ConfigError(f"gain: {attr} must be a non-negative number, got {v!r}")
+        if self.w_p == 0 and self.w_d == 0:
+            raise ConfigError("gain: w_p and w_d cannot both be 0")
+        if self.deadline not in DEADLINE_VARIANTS:
+            raise ConfigError(f"gain: unknown deadline variant {self.deadline!r}; "
+                              f"choose one of {', '.join(DEADLINE_VARIANTS)}")
+
+    @classmethod
+    def from_workload(cls, prompt_lens: Sequence[int], output_lens: Sequence[int],
+                      deadline: str = "fixed") -> "GainConfig":
+        """w_d = 1 and w_p = mean(prompt) / mean(output) (§5.1)."""
+        if len(prompt_lens) == 0:
+            raise ConfigError("gain: cannot derive w_p from an empty workload")
+        return cls(w_p=float(np.mean(prompt_lens)) / float(np.mean(output_lens)), w_d=1.0,
+                   deadline=deadline)
+
+    # -- Eq. 3 -----------------------------------------------------------------
+    def token_weight(self, req: Request, i: int) -> float:
+        """w_r(i) for the 1-based token index ``i``."""
+        return (self.w_p if i == 1 else self.w_d) * req.weight
+
+    def token_deadline(self, req: Request, i: int) -> float:
+        """Absolute deadline of token ``i`` (1-based) on the caller's clock."""
+        return req.arrival + self._ttft_anchor(req) + (i - 1) * req.tpot_slo
+
+    def _ttft_anchor(self, req: Request) -> float:
+        if self.deadline == "ttft_anchored" and req.token_times:
+            return min(req.token_times[0] - req.arrival, req.ttft_slo)
+        return req.ttft_slo
+
+    def next_token_deadline(self, req: Request) -> float:
+        """deadline_{r, output_len+1}: the deadline of the next token to emit."""
+        return self.token_deadline(req, req.num_emitted + 1)
+
+    def next_token_weight(self, req: Request) -> float:
+        """w_r(output_len + 1), the numerator of density (Alg. 1 line 5)."""
+        return self.token_weight(req, req.num_emitted + 1)
+
+    def tdg(self, req: Request) -> float:
+        """f_TDG(r) over the tokens emitted so far."""
+        n = req.num_emitted
+        if n == 0:
+            return 0.0
+        times = np.asarray(req.token_times)
+        deadlines = req.arrival + self._ttft_anchor(req) + np.arange(n) * req.tpot_slo
+        met = times < deadlines
+        gain = self.w_d * float(np.count_nonzero(met[1:])) + (self.w_p if met[0] else 0.0)
+        return gain * req.weight
+
+    def ideal_gain(self, req: Request) -> float:
+        """Gain if all ``output_len`` tokens met their deadlines."""
+        return (self.w_p + (req.output_len - 1) * self.w_d) * req.weight
+
+
+def slo_attained(req: Request) -> bool:
+    """TTFT and TPOT both strictly below the SLOs (§5.1); unfinished requests fail."""
+    if not req.finished or req.ttft is None:
+        return False
+    return req.ttft < req.ttft_slo and req.tpot < req.tpot_slo
+
+
+@dataclass
+class ClassMetrics:
+    name: str
+    requests: int
+    finished: int
+    tdg: float
+    ideal_gain: float
+    tdg_ratio: float
+    miss_tdg_ratio: float
+    first_token_tdg_ratio: float
+    slo_attainment: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p90: float
+    tpot_p99: float
+    throughput_tokens_s: float
+    throughput_req_s: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def class_metrics(name: str, reqs: Sequence[Request], gain: GainConfig, duration: float) -> ClassMetrics:
+    tdg = sum(gain.tdg(r) for r in reqs)
+    ideal = sum(gain.ideal_gain(r) for r in reqs)
+    first_ideal = sum(gain.w_p * r.weight for r in reqs)
+    first_got = sum(gain.w_p * r.weight for r in reqs
+                    if r.token_times and r.token_times[0] < gain.token_deadline(r, 1))
+    ttfts = [r.ttft for r in reqs if r.ttft is not None]
+    tpots = [r.tpot for r in reqs if r.finished and r.num_emitted > 1]
+    finished = sum(1 for r in reqs if r.finished)
+    tokens = sum(r.num_emitted for r in reqs)
+    ratio = tdg / ideal if ideal > 0 else float("nan")
+    return ClassMetrics(
+        name=name, requests=len(reqs), finished=finished, tdg=tdg, ideal_gain=ideal,
+        tdg_ratio=ratio, miss_tdg_ratio=1.0 - ratio if ideal > 0 else float("nan"),
+        first_token_tdg_ratio=first_got / first_ideal if first_ideal > 0 else float("nan"),
+        slo_attainment=(sum(1 for r in reqs if slo_attained(r)) / len(reqs)) if reqs else float("nan"),
+        ttft_p50=_pct(ttfts, 50), ttft_p90=_pct(ttfts, 90), ttft_p99=_pct(ttfts, 99),
+        tpot_p50=_pct(tpots, 50), tpot_p90=_pct(tpots, 90), tpot_p99=_pct(tpots, 99),
+        throughput_tokens_s=tokens / duration if duration > 0 else float("nan"),
+        throughput_req_s=finished / duration if duration > 0 else float("nan"),
+    )
+
+
+def summarize(reqs: Iterable[Request], gain: GainConfig, duration: float | None = None) -> dict[str, ClassMetrics]:
+    """Metrics overall (key ``"all"``) and per priority class.
+
+    ``duration`` defaults to first arrival → last token.
+    """
+    reqs = list(reqs)
+    if duration is None:
+        ends = [r.token_times[-1] for r in reqs if r.token_times]
+        duration = (max(ends) - min(r.arrival for r in reqs)) if ends else 0.0
+    out = {"all": class_metrics("all", reqs, gain, duration)}
+    for cls in sorted({r.priority for r in reqs}):
+        out[cls] = class_metrics(cls, [r for r in reqs if r.priority == cls], gain, duration)
+    return out
