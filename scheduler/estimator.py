@@ -252,7 +252,7 @@ class Estimator:
             root = (-lin + math.sqrt(lin * lin + 4 * m.a_p * b)) / (2 * m.a_p)
         else:
             root = b / lin
-        n = min(remaining, int(root))
+        n = min(remaining, int(root + 1e-9))  # +eps: float noise just below an integer root
         # guard the floor against rounding at the boundary
         while n > 0 and m.prefill_time(n, l_kv) > b * (1 + 1e-12):
             n -= 1

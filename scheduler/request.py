@@ -74,6 +74,7 @@ class Request:
     prefilled: int = 0       # tokens of prefill_len already computed
     kv_len: int = 0          # tokens whose KV is in the cache
     instance: int | None = None
+    error: str | None = None  # set when the request ends with an error instead of tokens
     # per-policy scratch values (Alg. 1 lines 3-5 and 9-12), set by the policy
     exec: float = 0.0
     remain: float = 0.0

@@ -14,6 +14,7 @@ Policies never mutate request state other than their scratch fields
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
@@ -153,3 +154,11 @@ def check_params(where: str, **params: float) -> None:
     for k, v in params.items():
         if not isinstance(v, (int, float)) or v != v or v < 0:
             raise ConfigError(f"{where}: {k} must be a number >= 0, got {v!r}")
+
+
+def check_count(where: str, **values) -> None:
+    """Raise ConfigError naming the first value that is not an integer >= 1
+    (token budgets, sequence limits)."""
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ConfigError(f"{where}: {k} must be an integer >= 1, got {v!r}")

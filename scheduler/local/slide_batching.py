@@ -170,11 +170,11 @@ class SlideBatching(LocalPolicy):
                 n = est.get_max_chunk(r.kv_len, r.prefill_len - r.prefilled, left)  # GETMAXCHUNK
                 if n == 0:
                     continue
-                if b.add_prefill(r, n) == 0:
-                    break  # memory is not enough (line 15)
+                # memory is not enough for this request (line 15): it waits; requests
+                # already holding KV (decodes, partial prefills) may still fit
+                b.add_prefill(r, n)
             elif r.exec <= left:
-                if not b.add_decode(r):
-                    break
+                b.add_decode(r)
         if b.plan.empty:
             # Budget smaller than any single item (η < t_c + one token): still make
             # progress with the first request in order, one block's worth of prompt.
@@ -190,10 +190,9 @@ class SlideBatching(LocalPolicy):
             if left <= 0:
                 break
             if r.prefilled < r.prefill_len:
-                if b.add_prefill(r, left) == 0:
-                    break
-            elif not b.add_decode(r):
-                break
+                b.add_prefill(r, left)
+            else:
+                b.add_decode(r)
 
 
 def _by_remain(r):

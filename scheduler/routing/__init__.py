@@ -5,5 +5,5 @@ import importlib
 import pkgutil
 
 for _m in pkgutil.iter_modules(__path__):
-    if _m.name not in ("base", "queue_map"):
+    if _m.name not in ("base", "queue_map", "estimates"):
         importlib.import_module(f"{__name__}.{_m.name}")

@@ -36,6 +36,12 @@ class PrefillInstance:
     n_decode: int = 0                                   # n_d (co-located only)
     avg_decode_kv: float = 1024.0                       # kv length used for b_d (co-located)
     healthy: bool = True
+    # (l_q, l_kv) of each queued request's prefill as known at dispatch, keyed by request id:
+    # the global scheduler sees dispatches and completions, not chunk progress (§4.3), so
+    # its work estimate is frozen here and timestamp lag compensation accounts for progress.
+    dispatched: dict = field(default_factory=dict, repr=False, compare=False)
+    version: int = field(default=0, repr=False, compare=False)  # bumped on every queue update
+    cache: object = field(default=None, init=False, repr=False, compare=False)  # routing.estimates
 
 
 @dataclass
@@ -59,6 +65,8 @@ class PrefillQueueMap:
         """On dispatch: PrefillQueueMap[p].add(r)."""
         p = self._by_id[inst_id]
         p.queue.append(req)
+        p.dispatched[req.id] = (req.remaining_prefill, req.kv_len)
+        p.version += 1
         p.ts = now
 
     def remove(self, inst_id: int, req: Request, now: float) -> None:
@@ -72,6 +80,8 @@ class PrefillQueueMap:
             p.queue.remove(req)
         except ValueError:
             return
+        p.dispatched.pop(req.id, None)
+        p.version += 1
         p.ts = now
 
     def decode_started(self, inst_id: int) -> None:

@@ -1,0 +1,274 @@
+"""ESTIMATEEXEC and ESTIMATEGAIN of Algorithm 2 (§4.3), shared by GoRouting and Min-Load.
+
+Not a policy: the global scheduler's view of one prefill (or co-located)
+instance ``p``, built from ``PrefillQueueMap[p]`` only.
+
+Per-request cost. For each queued request the prefill work the dispatcher knows
+of: ``exec = T~_p(l_q, l_kv)`` (Eq. 5) with ``(l_q, l_kv)`` the request's
+remaining prefill and KV length *as recorded at dispatch*
+(``PrefillInstance.dispatched``; live ``r.remaining_prefill``/``r.kv_len`` for a
+request put in the queue by hand). The dispatcher sees dispatches and
+completions, not chunk progress; progress since the last queue update is what
+timestamp lag compensation subtracts, so reading live progress as well would
+count it twice (and would make the simulator, whose requests are shared
+objects, see more than the cluster's dispatcher does). Costs are kept in
+uncorrected model units and scaled by the instance's current β when read.
+
+Disaggregated (prefill-only instance), φ_p of §4.2: one request per batch, so
+request ``r`` costs ``exec_r + t_c``::
+
+    ESTIMATEEXEC(p)      = max(0, Σ_{r∈Q} (exec_r + t_c) − lag),   lag = now − ts_p
+    ESTIMATEEXEC(p, req) = ESTIMATEEXEC(p) + exec_req + t_c
+
+    ESTIMATEGAIN(Q): order Q by remain ascending (the conservative,
+    request-specific order of φ_c, Eq. 9); the k-th request completes at
+    C_k = Σ_{i≤k} (exec_i + t_c) − lag, clamped at 0 for queued requests (the
+    lag may have finished them) and at exec_req + t_c for the routed request
+    (nothing of it has run yet); gain = Σ_{r: C_r < remain_r} w_r.
+
+``remain_r`` is the time to the deadline of the request's next token and
+``w_r`` that token's weight (Eq. 3). For a fresh request that is the first
+token, ``deadline_{r,1} = arrival + TTFT_SLO`` and ``w_r(1) = w_p·w_prio``; a
+recompute-preempted request waiting to be prefilled again (co-located) counts
+with its next token instead of a first token it already emitted.
+
+Co-located, φ_a (Eq. 8) with the decode load of §4.3: the batches of the
+instance also carry its ``n_d`` decodes, each ``b_d = T~_d(avg_decode_kv)``::
+
+    t_budget = max(min(min_{r∈Q} remain_r, TPOT_SLO(req)), η)
+    capacity = t_budget − t_c − n_d·b_d           (prefill time per batch)
+    batches  = Σ exec / capacity                  (fractional, as in Eq. 8)
+    C        = batches · t_budget − lag           (the same for every request)
+
+i.e. ``C = t_budget/(t_budget − t_c − n_d·b_d) · Σ exec − lag``. With
+``capacity ≤ 0`` the decodes alone fill the budget: no queued prefill can
+finish in time, ``C = ∞``, every request misses. ``η`` floors ``t_budget``
+because ``remain`` is negative once a queued request is late; see
+:func:`resolve_eta`. For ``Q ∪ {req}`` the budget also takes ``req``'s remain,
+and ``C = max(0, scale·Σ_Q exec − lag) + scale·exec_req``.
+
+Speed. :func:`queue_snapshot` sorts a queue once per queue update and caches
+it on the instance; :func:`evaluate` then gets both pre- and post-gain from one
+bisect (where ``req`` would slot in) and a pass over the requests after it,
+which are the only ones ``req`` can delay (co-located: two bisects).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from itertools import accumulate
+from operator import itemgetter
+from typing import Mapping, NamedTuple
+
+from ..request import ConfigError, PriorityClass, Request
+from ..tdg import GainConfig
+from .base import COLOCATED, PrefillInstance
+
+_by_deadline = itemgetter(0)
+
+
+class QueueSnapshot:
+    """``PrefillQueueMap[p]`` ordered by deadline, in uncorrected model units."""
+
+    __slots__ = ("key", "gain", "deadlines", "prefix", "weights", "suffix_w", "sum_exec")
+
+    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec):
+        self.key = key
+        self.gain = gain
+        self.deadlines = deadlines  # absolute next-token deadlines, ascending (remain order)
+        self.prefix = prefix        # prefix[k] = Σ_{i≤k} (exec_i + t_c)   (φ_p)
+        self.weights = weights      # w_r of the next token, same order
+        self.suffix_w = suffix_w    # suffix_w[k] = Σ_{i≥k} weights[i], len n+1
+        self.sum_exec = sum_exec    # Σ exec without t_c                     (φ_a)
+
+
+def queued_work(p: PrefillInstance, r: Request) -> tuple[int, int]:
+    """(l_q, l_kv) of ``r``'s prefill as the dispatcher knows it (see module doc)."""
+    w = p.dispatched.get(r.id)
+    return w if w is not None else (r.remaining_prefill, r.kv_len)
+
+
+def _exec(model, l_q: int, l_kv: int) -> float:
+    return model.prefill_time(l_q, l_kv) if l_q > 0 else 0.0
+
+
+def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
+    """The sorted queue of ``p``, rebuilt only when the queue (or model, or gain) changed."""
+    q = p.queue
+    m = p.estimator.model
+    key = (p.version, len(q), id(q), id(m))
+    s = p.cache
+    if s is not None and s.key == key and (s.gain is gain or s.gain == gain):
+        return s
+    rows = []
+    get = p.dispatched.get
+    a_p, b_p, c_p = m.a_p, m.b_p, m.c_p
+    w_p = gain.w_p
+    for r in q:
+        w = get(r.id)
+        l_q, l_kv = w if w is not None else (r.remaining_prefill, r.kv_len)
+        x = (a_p * l_q + b_p * l_kv + c_p) * l_q if l_q > 0 else 0.0           # Eq. 5
+        if r.token_times:  # re-prefill after a preemption: its next token
+            rows.append((gain.next_token_deadline(r), x, gain.next_token_weight(r)))
+        else:              # deadline_{r,1} = arrival + TTFT_SLO, w_r(1) = w_p·w_prio (Eq. 3)
+            rows.append((r.arrival + r.ttft_slo, x, w_p * r.weight))
+    rows.sort(key=_by_deadline)  # stable: equal deadlines keep dispatch order
+    deadlines = [d for d, _, _ in rows]
+    execs = [x for _, x, _ in rows]
+    weights = [w for _, _, w in rows]
+    t_c = m.t_c
+    prefix = list(accumulate(x + t_c for x in execs))
+    suffix_w = list(accumulate(reversed(weights), initial=0.0))[::-1]
+    s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs))
+    p.cache = s
+    return s
+
+
+def lag(p: PrefillInstance, now: float) -> float:
+    """Timestamp lag compensation (§4.3): time elapsed since the last queue update."""
+    return max(0.0, now - p.ts)
+
+
+def resolve_eta(eta: float | None, classes: Mapping[str, PriorityClass], where: str) -> float | None:
+    """Floor of the co-located t_budget estimate.
+
+    Default: the tightest TPOT SLO of the configured classes, the same default
+    as SlideBatching's η, so the global estimate floors the budget where the
+    local scheduler does (§4.2: t_budget ∈ [η, max TPOT_SLO]). ``None`` when no
+    classes are configured: the routed request's TPOT SLO is used then.
+    """
+    if eta is None:
+        return min((c.tpot_slo for c in classes.values()), default=None)
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 < eta < math.inf):
+        raise ConfigError(f"{where}: eta must be a finite number > 0, got {eta!r}")
+    return float(eta)
+
+
+class Estimate(NamedTuple):
+    exec: float       # ESTIMATEEXEC(p)
+    exec_with: float  # ESTIMATEEXEC(p, req)
+    delta: float      # Δ_p = ESTIMATEGAIN(Q ∪ {req}) − ESTIMATEGAIN(Q); NaN if not asked for
+
+
+def _scale(t_budget: float, overhead: float) -> float:
+    """t_budget / (t_budget − t_c − n_d·b_d): wall time per unit of prefill exec (Eq. 8)."""
+    cap = t_budget - overhead
+    return t_budget / cap if cap > 0 else math.inf
+
+
+def _times(scale: float, x: float) -> float:
+    return scale * x if x > 0 else 0.0  # no work takes no time, even at scale ∞
+
+
+def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, deployment: str,
+             eta: float | None = None, with_gain: bool = True) -> Estimate:
+    """ESTIMATEEXEC(p), ESTIMATEEXEC(p, req) and Δ_p (Alg. 2 lines 3-6) for one instance."""
+    s = queue_snapshot(p, gain)
+    est = p.estimator
+    beta = est.beta
+    D = s.deadlines
+    n = len(D)
+    lag_ = now - p.ts
+    if lag_ < 0.0:
+        lag_ = 0.0
+    x_req = beta * _exec(est.model, req.remaining_prefill, req.kv_len)
+    d_req = gain.next_token_deadline(req)
+    r_req = d_req - now
+
+    if deployment == COLOCATED:
+        t_c = est.t_c
+        overhead = t_c + (p.n_decode * est.decode(p.avg_decode_kv) if p.n_decode else 0.0)  # + n_d·b_d
+        tpot = req.tpot_slo
+        floor = eta if eta is not None else tpot
+        t_min = D[0] - now if n else math.inf
+        s_pre = _scale(max(min(t_min, tpot), floor), overhead)
+        s_post = _scale(max(min(t_min, r_req, tpot), floor), overhead)
+        work = beta * s.sum_exec
+        e_pre = max(0.0, _times(s_pre, work) - lag_)
+        e_post = max(0.0, _times(s_post, work) - lag_) + _times(s_post, x_req)
+        if not with_gain:
+            return Estimate(e_pre, e_post, math.nan)
+        # φ_a is request-agnostic: every request completes at e; it gains iff e < remain
+        w_req = gain.next_token_weight(req)
+        pre = s.suffix_w[bisect_right(D, now + e_pre)]
+        post = s.suffix_w[bisect_right(D, now + e_post)] + (w_req if e_post < r_req else 0.0)
+        return Estimate(e_pre, e_post, post - pre)
+
+    # disaggregated: φ_p, one request per batch
+    t_c = est.t_c
+    c = x_req + t_c
+    e_pre = beta * s.prefix[-1] - lag_ if n else 0.0
+    if e_pre < 0.0:
+        e_pre = 0.0
+    if not with_gain:
+        return Estimate(e_pre, e_pre + c, math.nan)
+    w_req = gain.next_token_weight(req)
+    j = bisect_right(D, d_req)  # req's slot in remain order (after equal deadlines)
+    P = s.prefix
+    done_req = (beta * P[j - 1] if j else 0.0) + c - lag_
+    if done_req < c:
+        done_req = c
+    delta = w_req if done_req < r_req else 0.0
+    W = s.weights
+    for k in range(j, n):  # only the requests after req are delayed, each by c
+        rk = D[k] - now
+        pk = beta * P[k] - lag_
+        if 0.0 < rk and pk < rk <= pk + c:  # met before, missed after
+            delta -= W[k]
+    return Estimate(e_pre, e_pre + c, delta)
+
+
+def estimate_exec(p: PrefillInstance, req: Request, now: float, gain: GainConfig | None = None,
+                  deployment: str = "disaggregated", eta: float | None = None,
+                  include: bool = False) -> float:
+    """ESTIMATEEXEC(p) (``include=False``) or ESTIMATEEXEC(p, req) while routing ``req``."""
+    e = evaluate(p, req, now, gain or GainConfig(), deployment, eta, with_gain=False)
+    return e.exec_with if include else e.exec
+
+
+def estimate_gain(p: PrefillInstance, now: float, gain: GainConfig | None = None,
+                  deployment: str = "disaggregated", req: Request | None = None,
+                  tpot: float | None = None, eta: float | None = None) -> float:
+    """ESTIMATEGAIN(Q) or, with ``req``, ESTIMATEGAIN(Q ∪ {req}), straight from the
+    definitions in the module docstring (O(|Q| log |Q|), no cache).
+
+    The reference that :func:`evaluate`'s incremental Δ is tested against, and a
+    readable account of what Δ means. ``tpot`` (co-located) is the routed
+    request's TPOT SLO; it defaults to ``req.tpot_slo``.
+    """
+    gain = gain or GainConfig()
+    est = p.estimator
+    lag_ = lag(p, now)
+    t_c = est.t_c
+    items = []  # (deadline, is_req, exec, weight)
+    for r in p.queue:
+        l_q, l_kv = queued_work(p, r)
+        items.append((gain.next_token_deadline(r), False,
+                      est.prefill(l_q, l_kv) if l_q > 0 else 0.0, gain.next_token_weight(r)))
+    if req is not None:
+        items.append((gain.next_token_deadline(req), True,
+                      est.prefill(req.remaining_prefill, req.kv_len), gain.next_token_weight(req)))
+    items.sort(key=lambda it: (it[0], it[1]))  # remain ascending; req after equal deadlines
+    total = 0.0
+    if deployment == COLOCATED:
+        if tpot is None:
+            if req is None:
+                raise ValueError("co-located ESTIMATEGAIN needs the routed request's TPOT SLO")
+            tpot = req.tpot_slo
+        floor = eta if eta is not None else tpot
+        t_min = min((d - now for d, _, _, _ in items), default=math.inf)
+        t_budget = max(min(t_min, tpot), floor)
+        overhead = t_c + p.n_decode * est.decode(p.avg_decode_kv)
+        scale = _scale(t_budget, overhead)
+        work_q = sum(x for _, is_req, x, _ in items if not is_req)
+        work_req = sum(x for _, is_req, x, _ in items if is_req)
+        done = max(0.0, _times(scale, work_q) - lag_) + _times(scale, work_req)  # Eq. 8, every request
+        return sum(w for d, _, _, w in items if done < d - now)
+    acc = 0.0
+    for d, is_req, x, w in items:
+        acc += x + t_c                                   # φ_p: one request per batch
+        done = max(acc - lag_, x + t_c if is_req else 0.0)
+        if done < d - now:
+            total += w
+    return total

@@ -1,0 +1,135 @@
+"""GoRouting (§4.3, Algorithm 2): gain-oriented, capability-aware dispatching.
+
+For each prefill (or co-located) instance ``p``:
+
+1. ``Δ_p = ESTIMATEGAIN(Q ∪ {req}) − ESTIMATEGAIN(Q)`` (lines 2-7), with the
+   φ_p-based estimate on prefill-only instances and the φ_a-based one (Eq. 8,
+   plus the decode load ``n_d·b_d``) on co-located instances; see
+   :mod:`scheduler.routing.estimates`;
+2. candidates ``C = {p : Δ_p ≥ α·Δ_max}`` (line 8);
+3. if ``Δ_max > 0`` (some instance meets req's TTFT SLO): light set
+   ``L = {p ∈ C : ESTIMATEEXEC(p) < μ·TTFT_SLO}``, heavy set
+   ``H = {p ∈ C : ESTIMATEEXEC(p, req) > λ·TTFT_SLO}`` (lines 10-11); the most
+   idle of L (line 13), else the *heaviest* of C − H (line 15: pack, keeping
+   the lighter instances free for later long or high-priority requests, the
+   over-balancing fix of §3.3), else the least loaded of C (line 17);
+4. otherwise a uniformly random instance (line 19, seeded).
+
+The decode instance is the one with the most free KV blocks (line 20, base class).
+``last_decision`` (:class:`GoDecision`) keeps the Δ_p, loads, C, L, H and the
+branch of the latest call, for logs and tests. ``C`` is recorded as line 8
+computes it; it is only used when Δ_max > 0 (for Δ_max < 0, α·Δ_max lies
+above Δ_max and C may even be empty, which the fallback never reads).
+
+Defaults (the paper gives none; all settable, validated):
+
+* ``alpha = 0.9``: near-max gain. When every instance can serve req and
+  nobody else is pushed past a deadline, all Δ_p equal w_r(1) and all are
+  candidates; an instance where admitting req would also make a queued request
+  miss (Δ_p = w_req − w_other) drops out unless the loss is under 10 % of the
+  best Δ. α = 1 keeps only exact ties.
+* ``mu = 0.2``: an instance whose queued prefill drains within 20 % of the
+  TTFT SLO counts as light (nearly idle); sending req there costs it little
+  latency and avoids idling an instance (case 1 of §4.3). μ = 0 disables L.
+* ``lam = 0.8`` (λ): an instance that would finish req only after 80 % of its
+  TTFT SLO is too risky to pile onto: the estimate has error (the latency model's
+  ~5 % MAPE, lag, requests that jump the queue locally) and the last 20 % is
+  the margin. Note ESTIMATEEXEC(p, req) is the instance's whole backlog with
+  req added, not req's own completion: req may overtake queued requests with
+  later deadlines, so a candidate can still be heavy at λ = 1; a large λ
+  disables H. ``mu <= lam`` is required (μ is the lower threshold, λ the upper).
+* ``eta`` (co-located only): floor of the t_budget estimate, default the
+  tightest class TPOT SLO, as SlideBatching's η (see ``estimates.resolve_eta``).
+
+``TTFT_SLO`` in lines 10-11 is ``req.ttft_slo`` as written in the paper (not
+its remaining time; they differ only if the dispatcher holds req before routing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..registry import register_global
+from ..request import ConfigError
+from .base import DISAGGREGATED, GlobalPolicy
+from .estimates import evaluate, resolve_eta
+
+BRANCHES = ("light", "fill", "balance", "fallback")
+
+
+@dataclass
+class GoDecision:
+    """Why GoRouting chose what it chose (the last call), for logs and tests."""
+
+    request: str
+    chosen: int
+    branch: str                       # "light" (line 13), "fill" (15), "balance" (17), "fallback" (19)
+    delta_max: float
+    deltas: dict[int, float] = field(default_factory=dict)     # Δ_p per instance id
+    exec: dict[int, float] = field(default_factory=dict)       # ESTIMATEEXEC(p)
+    exec_with: dict[int, float] = field(default_factory=dict)  # ESTIMATEEXEC(p, req)
+    candidates: list[int] = field(default_factory=list)        # C
+    light: list[int] = field(default_factory=list)             # L
+    heavy: list[int] = field(default_factory=list)             # H
+
+
+def _number(where: str, name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
+    if ok:
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ConfigError(f"{where}: {name} must be a number in {rng}, got {v!r}")
+    return float(v)
+
+
+@register_global
+class GoRouting(GlobalPolicy):
+    name = "go_routing"
+    summary = "PROSERVE GoRouting (Alg. 2): TDG-gain candidates, dual-threshold capability-aware choice"
+
+    def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
+                 alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None):
+        super().__init__(gain, classes, deployment, seed)
+        self.alpha = _number(self.name, "alpha", alpha, 0.0, 1.0, True, False)
+        self.mu = _number(self.name, "mu", mu, 0.0, math.inf, False, True)
+        self.lam = _number(self.name, "lam", lam, 0.0, math.inf, True, True)
+        if self.mu > self.lam:
+            raise ConfigError(f"{self.name}: mu (lower threshold) must be <= lam (upper threshold), "
+                              f"got mu={mu!r}, lam={lam!r}")
+        self.eta = resolve_eta(eta, self.classes, self.name)
+        self.last_decision: GoDecision | None = None
+
+    def select_prefill(self, req, prefills, now):
+        gain, dep, eta = self.gain, self.deployment, self.eta
+        ests = [evaluate(p, req, now, gain, dep, eta) for p in prefills]   # lines 2-7
+        delta_max = max(e.delta for e in ests)
+        # line 8; the relative slack absorbs float noise in sums of equal weights
+        thr = self.alpha * delta_max - 1e-9 * abs(delta_max)
+        C = [i for i, e in enumerate(ests) if e.delta >= thr]
+        L: list[int] = []
+        H: list[int] = []
+        if delta_max > 0:                                                   # line 9
+            ttft = req.ttft_slo
+            L = [i for i in C if ests[i].exec < self.mu * ttft]             # line 10
+            H = [i for i in C if ests[i].exec_with > self.lam * ttft]       # line 11
+            if L:                                                           # line 13: most idle in L
+                best, branch = min(L, key=lambda i: (ests[i].exec, prefills[i].id)), "light"
+            else:
+                heavy = set(H)
+                rest = [i for i in C if i not in heavy]
+                if rest:                                                    # line 15: heaviest of C − H
+                    best, branch = min(rest, key=lambda i: (-ests[i].exec, prefills[i].id)), "fill"
+                else:                                                       # line 17: least loaded of C
+                    best, branch = min(C, key=lambda i: (ests[i].exec, prefills[i].id)), "balance"
+        else:                                                               # line 19: RANDOMSELECT(P)
+            best, branch = self.rng.randrange(len(prefills)), "fallback"
+        ids = [p.id for p in prefills]
+        self.last_decision = GoDecision(
+            request=req.id, chosen=ids[best], branch=branch, delta_max=delta_max,
+            deltas={ids[i]: e.delta for i, e in enumerate(ests)},
+            exec={ids[i]: e.exec for i, e in enumerate(ests)},
+            exec_with={ids[i]: e.exec_with for i, e in enumerate(ests)},
+            candidates=[ids[i] for i in C], light=[ids[i] for i in L], heavy=[ids[i] for i in H])
+        return prefills[best]

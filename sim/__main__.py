@@ -1,0 +1,344 @@
+"""Command line of the cluster simulator.
+
+    python -m sim run    ...   one configuration: table, JSON, optional plots
+    python -m sim sweep  ...   request rates × policies × seeds: one table, one plot
+    python -m sim policies     list the local and global policies by name
+
+Run ``python -m sim run --help`` / ``python -m sim sweep --help`` for the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scheduler import registry
+from scheduler.config import classes_from_dicts
+from scheduler.request import ConfigError
+from scheduler.tdg import GainConfig
+
+from .cluster import DEPLOYMENTS, SimConfig, simulate
+from .report import ROW_FIELDS, format_table, metrics_dict, plot_sweep, plot_timeline, request_records, write_json
+
+BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "bench" / "data" / "azure_conv_2023.csv"
+
+
+@dataclass
+class RunSpec:
+    """Everything one simulation needs; picklable so sweeps can fan out."""
+
+    trace: str = "azure"
+    trace_format: str | None = None
+    rate: float | None = None
+    num_requests: int | None = 2000
+    seed: int = 0
+    classes: dict | None = None      # name -> PriorityClass
+    shares: dict | None = None
+    latency_model: str | None = None
+    w_p: float | None = None
+    w_d: float = 1.0
+    deadline: str = "fixed"
+    sim: SimConfig = field(default_factory=SimConfig)
+
+
+def _load_model(path: str | None):
+    from profiler.modelfile import BUNDLED, load
+    return load(path or BUNDLED)
+
+
+def _workload(spec: RunSpec):
+    from bench.workloads import build_workload
+    source = str(BUNDLED_TRACE) if spec.trace == "azure" else spec.trace
+    fmt = "azure" if spec.trace == "azure" else spec.trace_format
+    return build_workload(source, rate=spec.rate, num_requests=spec.num_requests, seed=spec.seed,
+                          classes=spec.classes, shares=spec.shares, fmt=fmt)
+
+
+def _gain(spec: RunSpec, reqs) -> GainConfig:
+    if spec.w_p is None:
+        g = GainConfig.from_workload([r.prompt_len for r in reqs], [r.output_len for r in reqs], spec.deadline)
+        return GainConfig(g.w_p * spec.w_d, spec.w_d, spec.deadline)
+    return GainConfig(spec.w_p, spec.w_d, spec.deadline)
+
+
+def run_spec(spec: RunSpec, keep_requests: bool = False) -> dict:
+    """Simulate one spec; return a JSON-able dict (metrics, config, optionally records)."""
+    model = _load_model(spec.latency_model)
+    reqs = _workload(spec)
+    gain = _gain(spec, reqs)
+    t0 = time.perf_counter()
+    res = simulate(reqs, model, spec.sim, gain, spec.classes)
+    wall = time.perf_counter() - t0
+    out = {
+        "policy": spec.sim.local_policy, "global": spec.sim.global_policy, "rate": spec.rate,
+        "seed": spec.seed, "requests": len(reqs), "wall_s": wall, "sim_steps": res.steps,
+        "duration_s": res.duration, "gain": {"w_p": gain.w_p, "w_d": gain.w_d, "deadline": gain.deadline},
+        "metrics": metrics_dict(res.requests, gain, res.duration),
+    }
+    if keep_requests:
+        out["records"] = request_records(res.requests, gain)
+        out["timeline"] = res.timeline
+    return out
+
+
+# -- argument parsing ---------------------------------------------------------------------
+def _kv_pairs(items: list[str] | None, what: str) -> dict:
+    out = {}
+    for it in items or []:
+        k, sep, v = it.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"{what}: expected KEY=VALUE, got {it!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _floats(s: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what}: expected comma-separated numbers, got {s!r}") from None
+    if not vals:
+        raise ConfigError(f"{what}: empty list")
+    return vals
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default="azure",
+                   help="'azure' (bundled Azure 2023 conversation trace), 'synthetic', or a trace file path")
+    w.add_argument("--format", dest="trace_format", choices=["azure", "burstgpt", "mooncake", "sharegpt"],
+                   help="trace file format (default: sniffed from the file)")
+    w.add_argument("--num-requests", type=int, default=2000,
+                   help="use the first N requests of the trace (default 2000; 0 = all)")
+    w.add_argument("--classes", help="JSON file: list of {name, weight, ttft_slo, tpot_slo} "
+                                     "(default: high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s)")
+    w.add_argument("--shares", help="class shares, e.g. high=0.5,low=0.5 (default 50/50)")
+    g = p.add_argument_group("gain (TDG, Eq. 3)")
+    g.add_argument("--w-p", type=float, help="first-token weight (default: mean prompt / mean output × w_d, §5.1)")
+    g.add_argument("--w-d", type=float, default=1.0, help="decode-token weight (default 1)")
+    g.add_argument("--deadline", choices=["fixed", "ttft_anchored"], default="fixed",
+                   help="token deadlines: Eq. 3 (fixed) or footnote 2 (ttft_anchored)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--deployment", choices=DEPLOYMENTS, default="colocated")
+    c.add_argument("--instances", type=int, default=1, help="co-located instances (default 1)")
+    c.add_argument("--prefill-instances", type=int, default=4, help="disaggregated prefill instances (default 4)")
+    c.add_argument("--decode-instances", type=int, default=4, help="disaggregated decode instances (default 4)")
+    c.add_argument("--latency-model", help="latency-model JSON (default: bundled 7B-class sketch)")
+    c.add_argument("--true-latency-model", help="model the simulated hardware follows, if different "
+                                                "from the one the policies estimate with (exercises β)")
+    c.add_argument("--noise-cv", type=float, default=0.0, help="log-normal step-time noise CV (default 0)")
+    c.add_argument("--kv-bandwidth", type=float, default=25.0, help="KV transfer bandwidth in GB/s (default 25)")
+    c.add_argument("--kv-blocks", type=int, help="KV blocks per instance (default: from the latency model)")
+    c.add_argument("--exact", action="store_true", help="simulate every decode step (no macro-steps)")
+    p.add_argument("--local-param", action="append", metavar="KEY=VALUE",
+                   help="local policy parameter, e.g. gamma=1.5 eta=0.05 phi=c (repeatable)")
+    p.add_argument("--global-param", action="append", metavar="KEY=VALUE",
+                   help="global policy parameter, e.g. alpha=0.9 mu=0.2 lambda_=0.8 (repeatable)")
+    p.add_argument("--out", help="output directory for JSON and plots")
+
+
+def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> RunSpec:
+    classes = None
+    if args.classes:
+        try:
+            items = json.loads(Path(args.classes).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--classes {args.classes}: {e}") from None
+        classes = classes_from_dicts(items, f"--classes {args.classes}")
+    shares = None
+    if args.shares:
+        shares = {k: float(v) for k, v in _kv_pairs(args.shares.split(","), "--shares").items()}
+    true_model = _load_model(args.true_latency_model) if args.true_latency_model else None
+    sim = SimConfig(
+        deployment=args.deployment, instances=args.instances, prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances, local_policy=local,
+        local_params=_kv_pairs(args.local_param, "--local-param"), global_policy=glob,
+        global_params=_kv_pairs(args.global_param, "--global-param"), noise_cv=args.noise_cv,
+        true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
+        fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed)
+    return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,
+                   num_requests=args.num_requests or None, seed=seed, classes=classes, shares=shares,
+                   latency_model=args.latency_model, w_p=args.w_p, w_d=args.w_d, deadline=args.deadline, sim=sim)
+
+
+def _validate_early(spec: RunSpec) -> None:
+    """Fail at start-up, before any simulation, on a bad name or value."""
+    from .cluster import Simulator
+    spec.sim.validate()
+    registry.local_policy(spec.sim.local_policy)
+    registry.global_policy(spec.sim.global_policy)
+    Simulator(_load_model(spec.latency_model), spec.sim, GainConfig(), spec.classes)
+    if spec.rate is not None and not spec.rate > 0:
+        raise ConfigError(f"request rate must be > 0, got {spec.rate}")
+    if spec.num_requests is not None and spec.num_requests < 0:
+        raise ConfigError(f"--num-requests must be >= 0, got {spec.num_requests}")
+
+
+def cmd_run(args) -> int:
+    spec = _spec_from(args, args.local, args.glob, args.rate, args.seed)
+    _validate_early(spec)
+    res = run_spec(spec, keep_requests=True)
+    row = {"policy": spec.sim.local_policy, "rate": spec.rate, "metrics": res["metrics"]}
+    print(f"# {len(res['records'])} requests, {spec.sim.deployment}, local={spec.sim.local_policy}, "
+          f"global={spec.sim.global_policy}, rate={spec.rate}, simulated {res['duration_s']:.1f} s "
+          f"in {res['wall_s']:.2f} s wall")
+    print(format_table([row]))
+    print()
+    print(format_table([{"class": k, "metrics": {"all": v}} for k, v in res["metrics"].items()],
+                       keys=("class",), fields=[f for f in ROW_FIELDS if "@" not in f[1]]))
+    if args.out:
+        out = Path(args.out)
+        timeline = res.pop("timeline")
+        write_json(out / "run.json", res)
+        if args.timeline and timeline:
+            write_json(out / "timeline.json", [p.__dict__ for p in timeline])
+            if args.plot:
+                plot_timeline(timeline, out / "timeline.png",
+                              title=f"{spec.sim.local_policy} URGENT/NORMAL, rate {spec.rate}")
+        print(f"wrote {out / 'run.json'}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    rates = _floats(args.rates, "--rates")
+    locals_ = [s for s in args.local.split(",") if s]
+    globals_ = [s for s in args.glob.split(",") if s]
+    seeds = [int(s) for s in _floats(args.seeds, "--seeds")]
+    specs = [_spec_from(args, lp, gp, r, s) for lp in locals_ for gp in globals_ for r in rates for s in seeds]
+    for lp in locals_:
+        registry.local_policy(lp)
+    for gp in globals_:
+        registry.global_policy(gp)
+    _validate_early(specs[0])
+    for sp in specs:
+        if not sp.rate > 0:
+            raise ConfigError(f"request rate must be > 0, got {sp.rate}")
+    t0 = time.perf_counter()
+    jobs = max(1, args.jobs)
+    if jobs == 1:
+        results = []
+        for i, sp in enumerate(specs):
+            results.append(run_spec(sp))
+            print(f"\r[{i + 1}/{len(specs)}] {sp.sim.local_policy}/{sp.sim.global_policy} rate={sp.rate}",
+                  end="", file=sys.stderr, flush=True)
+    else:
+        with ProcessPoolExecutor(jobs) as ex:
+            results = []
+            for i, r in enumerate(ex.map(run_spec, specs)):
+                results.append(r)
+                print(f"\r[{i + 1}/{len(specs)}]", end="", file=sys.stderr, flush=True)
+    print(f"\r{len(specs)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    series = "policy" if len(globals_) == 1 else "global" if len(locals_) == 1 else "combo"
+    rows = []
+    for r in results:
+        r["combo"] = f"{r['policy']}+{r['global']}"
+        rows.append(r)
+    rows_avg = _average_seeds(rows, series)
+    first_token = args.deployment == "disaggregated"
+    fields = _fields(first_token)
+    print(f"# {args.deployment}, trace={args.trace}, {specs[0].num_requests or 'all'} requests, "
+          f"seeds={seeds}" + (", TDG = first-token TDG (§5.2)" if first_token else ""))
+    print(format_table(rows_avg, fields=fields, keys=(series, "rate")))
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "sweep.json", {"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                        "runs": rows})
+        (out / "table.txt").write_text(format_table(rows_avg, fields=fields, keys=(series, "rate")) + "\n")
+        if not args.no_plot:
+            metrics = ("first_token_tdg_ratio", "first_token_tdg_ratio@high", "first_token_tdg_ratio@low",
+                       "slo_attainment") if first_token else \
+                ("tdg_ratio", "tdg_ratio@high", "tdg_ratio@low", "slo_attainment")
+            plot_sweep(rows_avg, out / "sweep.png", series_key=series, metrics=metrics,
+                       title=f"{args.deployment}, {args.trace}")
+        print(f"wrote {out}/sweep.json, table.txt" + ("" if args.no_plot else ", sweep.png"))
+    return 0
+
+
+def _fields(first_token: bool):
+    if not first_token:
+        return ROW_FIELDS
+    return [("TDG1", "first_token_tdg_ratio", "{:.3f}"), ("TDG1_hi", "first_token_tdg_ratio@high", "{:.3f}"),
+            ("TDG1_lo", "first_token_tdg_ratio@low", "{:.3f}")] + ROW_FIELDS
+
+
+def _average_seeds(rows: list[dict], series: str) -> list[dict]:
+    """Mean of every metric over seeds, per (series, rate)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r[series], r["rate"]), []).append(r)
+    out = []
+    for (s, rate), rs in groups.items():
+        metrics = {}
+        for cls in rs[0]["metrics"]:
+            metrics[cls] = {}
+            for k, v in rs[0]["metrics"][cls].items():
+                if isinstance(v, (int, float)):
+                    vals = [x["metrics"][cls][k] for x in rs if x["metrics"].get(cls)]
+                    metrics[cls][k] = sum(vals) / len(vals)
+        out.append({series: s, "rate": rate, "metrics": metrics})
+    return out
+
+
+def cmd_policies(args) -> int:
+    print("local policies (--local):")
+    for n in registry.local_names():
+        print(f"  {n:18s} {registry.local_policy(n).summary}")
+    print("global policies (--global):")
+    for n in registry.global_names():
+        print(f"  {n:18s} {registry.global_policy(n).summary}")
+    return 0
+
+
+PAPER_LOCAL = ("slide_batching,vllm_fcfs,weighted_vtc,sarathi_fcfs,sarathi_priority,fairbatching,"
+               "edf,sjf,only_deadline,only_density,wo_latency_aware")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="simulate one configuration")
+    r.add_argument("--local", default="slide_batching", help="local batch policy (see `python -m sim policies`)")
+    r.add_argument("--global", dest="glob", default="go_routing", help="global routing policy")
+    r.add_argument("--rate", type=float, help="scale the trace to this mean request rate (req/s)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--timeline", action="store_true", help="record URGENT/NORMAL counts per step")
+    r.add_argument("--plot", action="store_true", help="also write PNG plots to --out")
+    _add_common(r)
+    r.set_defaults(func=cmd_run)
+    s = sub.add_parser("sweep", help="request rates × policies × seeds: one table and one plot")
+    s.add_argument("--local", default=PAPER_LOCAL, help="comma-separated local policies (default: the paper's set)")
+    s.add_argument("--global", dest="glob", default="round_robin",
+                   help="comma-separated global policies (default round_robin)")
+    s.add_argument("--rates", default="1,2,3,4,5,6", help="comma-separated request rates, req/s")
+    s.add_argument("--seeds", default="0", help="comma-separated seeds (workload tagging and arrivals)")
+    s.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel runs")
+    s.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    _add_common(s)
+    s.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("policies", help="list policy names")
+    p.set_defaults(func=cmd_policies)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

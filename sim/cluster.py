@@ -1,0 +1,443 @@
+"""Discrete-event simulator of a serving cluster.
+
+Two deployments, the ones the paper evaluates:
+
+* ``colocated``: N instances, each running chunked prefill and decodes in the
+  same batches, batches formed by a local policy from ``scheduler.local``;
+  requests routed by a global policy from ``scheduler.routing``.
+* ``disaggregated``: P prefill instances (local policy in prefill-only mode)
+  and D decode instances (continuous batching of every running decode). A
+  finished prefill emits the first token, then its KV cache moves to the decode
+  instance chosen at dispatch, taking ``kv_len · kv_bytes_per_token /
+  kv_bandwidth`` seconds, once that instance has blocks for it.
+
+Step times come from a latency model (Eq. 4-7), optionally with multiplicative
+log-normal noise, and optionally from a *different* "true" model than the one
+the policies estimate with, so that the online correction β has something to
+correct. The same policy objects run here and in the engines: the simulator
+only applies their plans.
+
+Speed: a pure-decode stretch (nothing waiting for prefill, the policy chose
+every running decode) is simulated as one macro-step of up to
+``max_macro_steps`` identical-shape steps, cut short when a request finishes,
+memory runs out, or new work arrives. ``fast_forward=False`` turns this off;
+tests check both give the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
+from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView, blocks_for
+from scheduler.registry import make_global, make_local
+from scheduler.request import ConfigError, Phase, PriorityClass, Request
+from scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance, PrefillQueueMap
+from scheduler.tdg import GainConfig
+
+DEPLOYMENTS = (COLOCATED, DISAGGREGATED)
+
+# event kinds, ordered so that simultaneous events resolve deterministically
+_STEP_DONE, _KV_ARRIVED, _ARRIVAL = 0, 1, 2
+
+
+@dataclass
+class SimConfig:
+    deployment: str = COLOCATED
+    instances: int = 1               # co-located instances
+    prefill_instances: int = 1       # disaggregated
+    decode_instances: int = 1        # disaggregated
+    local_policy: str = "slide_batching"
+    local_params: dict = field(default_factory=dict)
+    global_policy: str = "go_routing"
+    global_params: dict = field(default_factory=dict)
+    noise_cv: float = 0.0            # log-normal step-time noise (coefficient of variation)
+    true_model: LatencyModel | None = None  # defaults to the estimator's model
+    kv_bandwidth: float = 25e9       # bytes/s between prefill and decode instances
+    num_kv_blocks: int | None = None # per instance; default from the model's metadata
+    block_size: int | None = None
+    kv_bytes_per_token: int | None = None
+    theta: float = 0.8
+    window_s: float = 1.0
+    fast_forward: bool = True
+    max_macro_steps: int = 64
+    record_timeline: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.deployment not in DEPLOYMENTS:
+            raise ConfigError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
+        for k in ("instances", "prefill_instances", "decode_instances", "max_macro_steps"):
+            if int(getattr(self, k)) < 1:
+                raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)!r}")
+        if self.noise_cv < 0:
+            raise ConfigError(f"noise_cv must be >= 0, got {self.noise_cv!r}")
+        if self.kv_bandwidth <= 0:
+            raise ConfigError(f"kv_bandwidth must be > 0, got {self.kv_bandwidth!r}")
+        for k in ("num_kv_blocks", "block_size", "kv_bytes_per_token"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ConfigError(f"{k} must be >= 1, got {v!r}")
+
+
+@dataclass
+class TimelinePoint:
+    t: float
+    instance: int
+    n_urgent: int
+    n_normal: int
+    t_budget: float
+    waiting: int
+    decoding: int
+
+
+@dataclass
+class SimResult:
+    requests: list[Request]
+    duration: float
+    timeline: list[TimelinePoint]
+    steps: int
+    betas: list[float]
+
+
+class _Instance:
+    """One simulated engine instance."""
+
+    def __init__(self, idx: int, mode: str, policy, est: Estimator, truth: LatencyModel,
+                 blocks: int, block_size: int, rng: np.random.Generator, noise_cv: float):
+        self.id = idx
+        self.mode = mode                # COLOCATED, PREFILL_ONLY or "decode"
+        self.policy = policy
+        self.est = est
+        self.truth = truth
+        self.total_blocks = blocks
+        self.free_blocks = blocks
+        self.block_size = block_size
+        self.rng = rng
+        self.noise_cv = noise_cv
+        self.waiting: list[Request] = []    # need prefill (incl. preempted)
+        self.decoding: list[Request] = []
+        self.pending_kv: list[Request] = [] # decode instance: KV waiting for blocks
+        self.busy = False
+        self.version = 0
+        self.plan: BatchPlan | None = None
+        self.macro_times: np.ndarray | None = None  # end times of a macro-step's steps
+        self.macro_k = 0
+        self.step_start = 0.0
+
+    def blocks_held(self, r: Request) -> int:
+        return math.ceil(r.kv_len / self.block_size)
+
+    def noise(self) -> float:
+        if self.noise_cv <= 0:
+            return 1.0
+        s2 = math.log(1 + self.noise_cv ** 2)
+        return float(self.rng.lognormal(-s2 / 2, math.sqrt(s2)))
+
+
+class Simulator:
+    def __init__(self, model: LatencyModel, config: SimConfig, gain: GainConfig | None = None,
+                 classes: dict[str, PriorityClass] | None = None):
+        config.validate()
+        self.cfg = config
+        self.model = model
+        self.truth = config.true_model or model
+        self.gain = gain or GainConfig()
+        from scheduler.config import default_classes
+        self.classes = classes or default_classes()
+        md = model.metadata
+        self.block_size = int(config.block_size or md.get("block_size", 16))
+        self.num_blocks = int(config.num_kv_blocks or md.get("num_kv_blocks", 1 << 20))
+        self.kv_bytes = int(config.kv_bytes_per_token or md.get("kv_bytes_per_token", 0))
+        # build the policies once here so that bad names/params fail at start-up
+        rng = np.random.default_rng(config.seed)
+        dep = config.deployment
+        n_front = config.instances if dep == COLOCATED else config.prefill_instances
+        front_mode = COLOCATED if dep == COLOCATED else PREFILL_ONLY
+        self.front: list[_Instance] = []
+        for i in range(n_front):
+            est = Estimator(model, OnlineCorrector(config.theta, config.window_s))
+            pol = make_local(config.local_policy, est, self.gain, self.classes, **config.local_params)
+            self.front.append(_Instance(i, front_mode, pol, est, self.truth, self.num_blocks, self.block_size,
+                                        np.random.default_rng(rng.integers(1 << 62)), config.noise_cv))
+        self.decoders: list[_Instance] = []
+        if dep == DISAGGREGATED:
+            for j in range(config.decode_instances):
+                est = Estimator(model, OnlineCorrector(config.theta, config.window_s))
+                self.decoders.append(_Instance(j, "decode", None, est, self.truth, self.num_blocks,
+                                               self.block_size, np.random.default_rng(rng.integers(1 << 62)),
+                                               config.noise_cv))
+        self.router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
+                                  deployment=dep, seed=config.seed, **config.global_params)
+        self.p_states = [PrefillInstance(i.id, i.est) for i in self.front]
+        self.d_states = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
+        self.qmap = PrefillQueueMap(self.p_states)
+        self._events: list = []
+        self._seq = 0
+        self.timeline: list[TimelinePoint] = []
+        self.steps = 0
+        self._decode_target: dict[str, int] = {}
+        self._front_of: dict[str, int] = {}
+
+    # -- event plumbing ------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
+
+    def run(self, requests: Sequence[Request]) -> SimResult:
+        if not requests:
+            raise ConfigError("the workload contains no requests")
+        reqs = sorted(requests, key=lambda r: r.arrival)
+        for r in reqs:
+            self._push(r.arrival, _ARRIVAL, r)
+        now = reqs[0].arrival
+        while self._events:
+            now, kind, _, payload = heapq.heappop(self._events)
+            if kind == _ARRIVAL:
+                self._on_arrival(payload, now)
+            elif kind == _STEP_DONE:
+                inst, version = payload
+                if version == inst.version:
+                    self._on_step_done(inst, now)
+            else:
+                self._on_kv_arrived(*payload, now)
+        end = max((r.token_times[-1] for r in reqs if r.token_times), default=now)
+        betas = [i.est.beta for i in self.front + self.decoders]
+        return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas)
+
+    # -- arrivals and routing ----------------------------------------------------------
+    def _on_arrival(self, r: Request, now: float) -> None:
+        for d, st in zip(self.decoders, self.d_states):
+            st.free_blocks = d.free_blocks
+        p, d = self.router.route(r, self.p_states, self.d_states, now)
+        inst = self.front[p.id]
+        need = math.ceil((r.prompt_len + 1) / self.block_size)
+        if need > inst.total_blocks:
+            self._fail(r, f"prompt of {r.prompt_len} tokens exceeds the KV capacity of an instance")
+            return
+        r.instance = p.id
+        self.qmap.add(p.id, r, now)
+        if d is not None:
+            self._decode_target[r.id] = d.id
+        inst.waiting.append(r)
+        self._wake(inst, now)
+
+    def _fail(self, r: Request, why: str) -> None:
+        r.error = why
+        r.phase = Phase.DONE
+
+    def _wake(self, inst: _Instance, now: float) -> None:
+        """New work for ``inst``: start a step if idle, or cut a macro-step short."""
+        if not inst.busy:
+            self._start_step(inst, now)
+        elif inst.macro_times is not None and inst.macro_k > 1:
+            # let the step in progress finish, drop the rest of the macro-step
+            j = int(np.searchsorted(inst.macro_times[:inst.macro_k], now, side="right"))
+            k = min(j + 1, inst.macro_k)
+            if k < inst.macro_k:
+                # give back the KV blocks reserved for the dropped steps
+                inst.free_blocks += _growth_blocks(inst.plan.decode, inst.macro_k, self.block_size) \
+                    - _growth_blocks(inst.plan.decode, k, self.block_size)
+                inst.macro_k = k
+                inst.version += 1
+                self._push(float(inst.macro_times[k - 1]), _STEP_DONE, (inst, inst.version))
+
+    # -- stepping -------------------------------------------------------------------------
+    def _ensure_decode_memory(self, inst: _Instance, now: float) -> None:
+        """vLLM-style recompute preemption (co-located): if running decodes cannot all
+        grow by a token, preempt the most recently admitted ones back to the waiting queue."""
+        bs = self.block_size
+        need = sum(1 for r in inst.decoding if r.kv_len % bs == 0)
+        while need > inst.free_blocks and inst.decoding:
+            victim = inst.decoding.pop()
+            if victim.kv_len % bs == 0:
+                need -= 1
+            inst.free_blocks += inst.blocks_held(victim)
+            victim.preempt()
+            self.qmap.decode_finished(inst.id)
+            self.qmap.add(inst.id, victim, now)
+            inst.waiting.insert(0, victim)
+
+    def _start_step(self, inst: _Instance, now: float) -> None:
+        inst.busy = False
+        inst.macro_times = None
+        if inst.mode == "decode":
+            self._admit_kv(inst, now)
+        if not inst.waiting and not inst.decoding:
+            return
+        bs = self.block_size
+        if inst.mode == COLOCATED:
+            self._ensure_decode_memory(inst, now)
+        if inst.mode == "decode":
+            # continuous batching of every running decode that can grow; the rest stall a step
+            plan = BatchPlan()
+            free = inst.free_blocks
+            for r in inst.decoding:
+                need = 1 if r.kv_len % bs == 0 else 0
+                if need <= free:
+                    free -= need
+                    plan.decode.append(r)
+        else:
+            view = InstanceView(now, inst.waiting, inst.decoding, inst.free_blocks, self.block_size, inst.mode)
+            plan = inst.policy.schedule(view)
+            if self.cfg.record_timeline:
+                i = plan.info
+                self.timeline.append(TimelinePoint(now, inst.id, i.n_urgent, i.n_normal, i.t_budget,
+                                                   len(inst.waiting), len(inst.decoding)))
+        if plan.empty:
+            return self._unstick(inst, now)
+        # allocate KV blocks for the step
+        for r, n in plan.prefill:
+            inst.free_blocks -= blocks_for(r, n, bs)
+        k = 1
+        if self.cfg.fast_forward and not plan.prefill and not inst.waiting and not inst.pending_kv \
+                and len(plan.decode) == len(inst.decoding):
+            k = self._macro_len(inst, plan.decode)
+        prefills = [(n, r.kv_len) for r, n in plan.prefill]
+        if k == 1:
+            for r in plan.decode:
+                inst.free_blocks -= blocks_for(r, 1, bs)
+            kvs = [r.kv_len for r in plan.decode]
+            dur = self.truth.batch_time(prefills, kvs) * inst.noise()
+            inst.est.observe(dur, prefills, kvs, now + dur)
+            inst.macro_times = np.array([now + dur])
+        else:
+            inst.free_blocks -= _growth_blocks(plan.decode, k, bs)
+            durs = self._macro_durations(inst, plan.decode, k)
+            inst.macro_times = now + np.cumsum(durs)
+        inst.macro_k = k
+        inst.plan = plan
+        inst.busy = True
+        inst.step_start = now
+        inst.version += 1
+        self._push(float(inst.macro_times[k - 1]), _STEP_DONE, (inst, inst.version))
+
+    def _unstick(self, inst: _Instance, now: float) -> None:
+        """The policy planned nothing although work is queued: KV memory is held by
+        requests the policy will not run now. Free some, as vLLM would, and retry."""
+        partial = [r for r in inst.waiting if r.kv_len > 0]
+        if partial:
+            victim = partial[-1]          # the most recently started partial prefill
+            inst.free_blocks += inst.blocks_held(victim)
+            victim.preempt()
+        elif inst.decoding:
+            victim = inst.decoding.pop()  # recompute-preempt the newest decode
+            inst.free_blocks += inst.blocks_held(victim)
+            victim.preempt()
+            self.qmap.decode_finished(inst.id)
+            self.qmap.add(inst.id, victim, now)
+            inst.waiting.insert(0, victim)
+        elif inst.waiting:
+            # nothing holds memory and still nothing fits
+            r = inst.waiting.pop(0)
+            self.qmap.remove(inst.id, r, now)
+            self._fail(r, "request does not fit in KV memory")
+        else:
+            return
+        self._start_step(inst, now)
+
+    def _macro_len(self, inst: _Instance, decodes: list[Request]) -> int:
+        k = min(self.cfg.max_macro_steps, min(r.output_len - r.num_emitted for r in decodes))
+        bs = self.block_size
+        while k > 1 and _growth_blocks(decodes, k, bs) > inst.free_blocks:
+            k //= 2
+        return max(k, 1)
+
+    def _macro_durations(self, inst: _Instance, decodes: list[Request], k: int) -> np.ndarray:
+        m = self.truth
+        n = len(decodes)
+        base = m.t_c + sum(m.decode_time(r.kv_len) for r in decodes)
+        durs = base + m.a_d * n * np.arange(k)
+        if inst.noise_cv > 0:
+            durs = durs * np.array([inst.noise() for _ in range(k)])
+        est_total = inst.est.model.t_c * k + sum(inst.est.model.decode_time(r.kv_len) for r in decodes) * k \
+            + inst.est.model.a_d * n * k * (k - 1) / 2
+        inst.est.corrector.observe(float(durs.sum()), est_total, inst.step_start + float(durs.sum()))
+        return durs
+
+    def _on_step_done(self, inst: _Instance, now: float) -> None:
+        plan, k = inst.plan, inst.macro_k
+        times = inst.macro_times[:k]
+        self.steps += k
+        for r, n in plan.prefill:
+            if r.advance_prefill(n, now):
+                self._prefill_done(inst, r, now)
+        finished = []
+        for r in plan.decode:
+            r.kv_len += k
+            if k == 1:
+                r.emit(now)
+            else:
+                r.token_times.extend(times.tolist())
+                if r.num_emitted >= r.output_len:
+                    r.phase = Phase.DONE
+            if r.phase is Phase.DONE:
+                finished.append(r)
+        for r in finished:
+            inst.decoding.remove(r)
+            inst.free_blocks += inst.blocks_held(r)
+            if inst.mode == COLOCATED:
+                self.qmap.decode_finished(inst.id)
+        if inst.policy is not None:
+            inst.policy.on_batch_done(plan, now)
+        self._start_step(inst, now)
+
+    def _prefill_done(self, inst: _Instance, r: Request, now: float) -> None:
+        inst.waiting.remove(r)
+        self.qmap.remove(inst.id, r, now)   # asynchronous completion signal (§4.3)
+        if inst.mode == COLOCATED:
+            if r.phase is Phase.DONE:
+                inst.free_blocks += inst.blocks_held(r)
+            else:
+                inst.decoding.append(r)
+                self.qmap.decode_started(inst.id)
+            return
+        # disaggregated: KV moves to the decode instance picked at dispatch
+        if r.phase is Phase.DONE:
+            inst.free_blocks += inst.blocks_held(r)
+            return
+        dec = self.decoders[self._decode_target[r.id]]
+        r._kv_source = inst  # type: ignore[attr-defined]  (blocks freed once received)
+        dec.pending_kv.append(r)
+        self._admit_kv(dec, now)
+
+    def _admit_kv(self, dec: _Instance, now: float) -> None:
+        """Start KV transfers for pending requests while the decode instance has blocks."""
+        while dec.pending_kv:
+            r = dec.pending_kv[0]
+            need = math.ceil((r.kv_len + 1) / self.block_size)
+            # keep one block of growth headroom per running decode
+            if need + len(dec.decoding) > dec.free_blocks:
+                if not dec.decoding and need > dec.total_blocks:
+                    dec.pending_kv.pop(0)
+                    self._fail(r, "KV cache larger than a decode instance")
+                    continue
+                break
+            dec.pending_kv.pop(0)
+            dec.free_blocks -= math.ceil(r.kv_len / self.block_size)
+            dt = r.kv_len * self.kv_bytes / self.cfg.kv_bandwidth if self.kv_bytes else 0.0
+            self._push(now + dt, _KV_ARRIVED, (dec, r))
+
+    def _on_kv_arrived(self, dec: _Instance, r: Request, now: float) -> None:
+        src = getattr(r, "_kv_source", None)
+        if src is not None:
+            src.free_blocks += src.blocks_held(r)
+            del r._kv_source  # type: ignore[attr-defined]
+        dec.decoding.append(r)
+        self._wake(dec, now)
+
+
+def _growth_blocks(decodes: Sequence[Request], k: int, bs: int) -> int:
+    """KV blocks the decodes need to grow by ``k`` tokens each."""
+    return sum((r.kv_len + k + bs - 1) // bs - (r.kv_len + bs - 1) // bs for r in decodes)
+
+
+def simulate(requests: Sequence[Request], model: LatencyModel, config: SimConfig | None = None,
+             gain: GainConfig | None = None, classes=None) -> SimResult:
+    """Run ``requests`` through a simulated cluster; returns the requests with their token times."""
+    return Simulator(model, config or SimConfig(), gain, classes).run(requests)

@@ -1,0 +1,145 @@
+"""Results of simulator runs: per-request records, metrics, text tables, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from scheduler.request import Request
+from scheduler.tdg import GainConfig, slo_attained, summarize
+
+
+def request_records(reqs: Iterable[Request], gain: GainConfig) -> list[dict]:
+    out = []
+    for r in reqs:
+        out.append({
+            "id": r.id, "priority": r.priority, "weight": r.weight,
+            "arrival": r.arrival, "prompt_len": r.prompt_len, "output_len": r.output_len,
+            "ttft_slo": r.ttft_slo, "tpot_slo": r.tpot_slo, "instance": r.instance,
+            "tokens": r.num_emitted, "ttft": r.ttft, "tpot": r.tpot,
+            "finish": r.token_times[-1] if r.token_times else None,
+            "tdg": gain.tdg(r), "ideal_gain": gain.ideal_gain(r), "slo_met": slo_attained(r),
+            "error": r.error,
+        })
+    return out
+
+
+def metrics_dict(reqs: Sequence[Request], gain: GainConfig, duration: float | None = None) -> dict:
+    return {k: v.as_dict() for k, v in summarize(reqs, gain, duration).items()}
+
+
+def _clean(x):
+    """JSON has no NaN/inf: write null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str | Path, obj) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(_clean(obj), indent=1, sort_keys=False) + "\n")
+
+
+# -- tables ------------------------------------------------------------------------
+ROW_FIELDS = [
+    ("TDG", "tdg_ratio", "{:.3f}"), ("TDG_hi", "tdg_ratio@high", "{:.3f}"), ("TDG_lo", "tdg_ratio@low", "{:.3f}"),
+    ("SLO", "slo_attainment", "{:.3f}"), ("SLO_hi", "slo_attainment@high", "{:.3f}"),
+    ("SLO_lo", "slo_attainment@low", "{:.3f}"), ("TTFT_p50", "ttft_p50", "{:.2f}"),
+    ("TTFT_p99", "ttft_p99", "{:.2f}"), ("TPOT_p50", "tpot_p50", "{:.3f}"), ("TPOT_p99", "tpot_p99", "{:.3f}"),
+    ("tok/s", "throughput_tokens_s", "{:.0f}"),
+]
+
+
+def lookup(metrics: dict, key: str) -> float:
+    name, _, cls = key.partition("@")
+    m = metrics.get(cls or "all")
+    return float("nan") if m is None or m.get(name) is None else float(m[name])
+
+
+def format_table(rows: Sequence[dict], fields=ROW_FIELDS, keys=("policy", "rate")) -> str:
+    """``rows``: dicts with the ``keys`` columns and a ``metrics`` dict (summarize output)."""
+    head = [k for k in keys] + [f[0] for f in fields]
+    body = []
+    for row in rows:
+        cells = [str(row[k]) for k in keys]
+        for _, key, fmt in fields:
+            v = lookup(row["metrics"], key)
+            cells.append("-" if math.isnan(v) else fmt.format(v))
+        body.append(cells)
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) if i >= len(keys) else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for b in body:
+        lines.append("  ".join(c.rjust(w) if i >= len(keys) else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))))
+    return "\n".join(lines)
+
+
+# -- plots -------------------------------------------------------------------------
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the extra
+        raise RuntimeError("plots need matplotlib: pip install 'proserve[plot]'") from e
+    return plt
+
+
+def plot_sweep(rows: Sequence[dict], path: str | Path, series_key: str = "policy",
+               metrics=("tdg_ratio", "slo_attainment", "tdg_ratio@high", "tdg_ratio@low"),
+               title: str = "") -> None:
+    """Metric vs request rate, one line per ``series_key`` value (mean over seeds)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
+    series = sorted({r[series_key] for r in rows}, key=lambda s: [r[series_key] for r in rows].index(s))
+    for ax, metric in zip(axes[0], metrics):
+        for s in series:
+            pts = {}
+            for r in rows:
+                if r[series_key] == s:
+                    pts.setdefault(r["rate"], []).append(lookup(r["metrics"], metric))
+            xs = sorted(pts)
+            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", ms=3, label=s)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(metric.replace("@", " "))
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(points, path: str | Path, bin_s: float = 1.0, title: str = "") -> None:
+    """URGENT and NORMAL request counts over time (the paper's Figure 17), averaged per bin."""
+    plt = _pyplot()
+    bins: dict[int, list] = {}
+    for p in points:
+        bins.setdefault(int(p.t // bin_s), []).append(p)
+    xs = sorted(bins)
+    urgent = [sum(p.n_urgent for p in bins[x]) / len(bins[x]) for x in xs]
+    normal = [sum(p.n_normal for p in bins[x]) / len(bins[x]) for x in xs]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    t = [x * bin_s for x in xs]
+    ax.plot(t, urgent, label="URGENT", color="tab:red")
+    ax.plot(t, normal, label="NORMAL", color="tab:blue")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("requests in queue")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,15 @@
+import pytest
+
+from scheduler import Request
+
+
+@pytest.fixture
+def make_req():
+    """Request factory with easy defaults: weight 1, TTFT SLO 1 s, TPOT SLO 0.1 s."""
+    counter = iter(range(10**9))
+
+    def make(prompt=100, output=10, arrival=0.0, weight=1.0, ttft=1.0, tpot=0.1, priority=None, **kw):
+        i = next(counter)
+        return Request(kw.pop("id", f"r{i}"), priority or ("high" if weight > 1 else "low"), weight, ttft, tpot,
+                       arrival, prompt, output, **kw)
+    return make
