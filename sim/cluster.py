@@ -283,7 +283,8 @@ class Simulator:
                     free -= need
                     plan.decode.append(r)
         else:
-            view = InstanceView(now, inst.waiting, inst.decoding, inst.free_blocks, self.block_size, inst.mode)
+            view = InstanceView(now, inst.waiting, inst.decoding, inst.free_blocks, self.block_size, inst.mode,
+                                reserve_blocks=len(inst.decoding) + inst.total_blocks // 100)
             plan = inst.policy.schedule(view)
             if self.cfg.record_timeline:
                 i = plan.info

@@ -36,6 +36,10 @@ class InstanceView:
     free_blocks: int = 1 << 30
     block_size: int = 16
     mode: str = COLOCATED
+    #: blocks a *new* request may not take: headroom for running requests to grow
+    #: (vLLM keeps a watermark for the same reason; without one, admitting prompts
+    #: until memory is full makes every decode step preempt)
+    reserve_blocks: int = 0
 
 
 @dataclass
@@ -88,13 +92,21 @@ class BatchBuilder:
         self.tokens += 1
         return True
 
+    def available_blocks(self, req: Request) -> int:
+        """Blocks ``req`` may take: all free ones if it already holds KV, else those above the reserve."""
+        return self.free_blocks if req.kv_len > 0 else self.free_blocks - self.view.reserve_blocks
+
+    def can_fit(self, req: Request, n_tokens: int) -> bool:
+        return blocks_for(req, n_tokens, self.view.block_size) <= self.available_blocks(req)
+
     def add_prefill(self, req: Request, n_tokens: int) -> int:
         """Add up to ``n_tokens`` of ``req``'s prompt, fewer if memory is short. Returns tokens added."""
         n = min(n_tokens, req.remaining_prefill)
         bs = self.view.block_size
-        if n > 0 and blocks_for(req, n, bs) > self.free_blocks:
-            # largest chunk that fits the free blocks
-            n = min(n, self.free_blocks * bs + (-req.kv_len) % bs)
+        avail = self.available_blocks(req)
+        if n > 0 and blocks_for(req, n, bs) > avail:
+            # largest chunk that fits the available blocks
+            n = min(n, avail * bs + (-req.kv_len) % bs)
         if n <= 0:
             return 0
         self.free_blocks -= blocks_for(req, n, bs)

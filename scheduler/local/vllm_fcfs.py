@@ -24,7 +24,7 @@ On a prefill-only instance there are no decodes, so only the prefill rule runs.
 from __future__ import annotations
 
 from ..registry import register_local
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, blocks_for, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
 
 
 @register_local
@@ -52,7 +52,7 @@ class VllmFCFS(LocalPolicy):
             if b.plan.prefill:
                 if b.tokens + n > self.max_num_batched_tokens:
                     break
-                if blocks_for(r, n, view.block_size) > b.free_blocks:
+                if not b.can_fit(r, n):
                     break  # whole prompt must fit (no chunking)
             if b.add_prefill(r, n) == 0:
                 break
