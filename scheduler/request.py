@@ -49,7 +49,7 @@ class PriorityClass:
                     f"priority class {self.name!r}: {attr} must be a positive number, got {v!r}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One request as the schedulers see it.
 

@@ -142,7 +142,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-param", action="append", metavar="KEY=VALUE",
                    help="local policy parameter, e.g. gamma=1.5 eta=0.05 phi=c (repeatable)")
     p.add_argument("--global-param", action="append", metavar="KEY=VALUE",
-                   help="global policy parameter, e.g. alpha=0.9 mu=0.2 lambda_=0.8 (repeatable)")
+                   help="global policy parameter, e.g. alpha=0.9 mu=0.2 lam=0.8 (repeatable)")
     p.add_argument("--out", help="output directory for JSON and plots")
 
 

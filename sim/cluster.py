@@ -182,7 +182,7 @@ class Simulator:
         self.timeline: list[TimelinePoint] = []
         self.steps = 0
         self._decode_target: dict[str, int] = {}
-        self._front_of: dict[str, int] = {}
+        self._kv_source: dict[str, _Instance] = {}
 
     # -- event plumbing ------------------------------------------------------------
     def _push(self, t: float, kind: int, payload) -> None:
@@ -403,7 +403,7 @@ class Simulator:
             inst.free_blocks += inst.blocks_held(r)
             return
         dec = self.decoders[self._decode_target[r.id]]
-        r._kv_source = inst  # type: ignore[attr-defined]  (blocks freed once received)
+        self._kv_source[r.id] = inst  # its blocks are freed once the decode side has the KV
         dec.pending_kv.append(r)
         self._admit_kv(dec, now)
 
@@ -425,10 +425,9 @@ class Simulator:
             self._push(now + dt, _KV_ARRIVED, (dec, r))
 
     def _on_kv_arrived(self, dec: _Instance, r: Request, now: float) -> None:
-        src = getattr(r, "_kv_source", None)
+        src = self._kv_source.pop(r.id, None)
         if src is not None:
             src.free_blocks += src.blocks_held(r)
-            del r._kv_source  # type: ignore[attr-defined]
         dec.decoding.append(r)
         self._wake(dec, now)
 

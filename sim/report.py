@@ -99,14 +99,19 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, series_key: str = "policy
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
     series = sorted({r[series_key] for r in rows}, key=lambda s: [r[series_key] for r in rows].index(s))
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>pPX*h"
     for ax, metric in zip(axes[0], metrics):
-        for s in series:
+        for i, s in enumerate(series):
             pts = {}
             for r in rows:
                 if r[series_key] == s:
                     pts.setdefault(r["rate"], []).append(lookup(r["metrics"], metric))
             xs = sorted(pts)
-            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", ms=3, label=s)
+            first = i == 0  # the policy under study is listed first: draw it bold
+            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker=markers[i % len(markers)],
+                    ms=4 if first else 3, lw=2.4 if first else 1.1, zorder=3 if first else 2,
+                    color="black" if first else colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20], label=s)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(metric.replace("@", " "))
         ax.set_ylim(-0.02, 1.02)

@@ -162,9 +162,12 @@ class SlideBatching(LocalPolicy):
     # -- Alg. 1 lines 14-18 ----------------------------------------------------------
     def _fill_time(self, b: BatchBuilder, ordered, t_budget: float) -> None:
         est = self.est
+        m = est.model
+        # nothing costs less than one prefill token or one decode step: stop when even that won't fit
+        cheapest = est.beta * min(m.a_p + m.c_p, m.b_d) if m.b_d > 0 else 0.0
         for r in ordered:
             left = t_budget - b.time
-            if left <= 0:
+            if left <= cheapest:
                 break
             if r.prefilled < r.prefill_len:
                 n = est.get_max_chunk(r.kv_len, r.prefill_len - r.prefilled, left)  # GETMAXCHUNK
