@@ -321,6 +321,14 @@ class Simulator:
     def _unstick(self, inst: _Instance, now: float) -> None:
         """The policy planned nothing although work is queued: KV memory is held by
         requests the policy will not run now. Free some, as vLLM would, and retry."""
+        if inst.mode == "decode":
+            # every running decode sits at a block boundary and no block is free: swap the
+            # newest one out (its KV leaves the device) and back in when blocks free up,
+            # paying the transfer time again
+            victim = inst.decoding.pop()
+            inst.free_blocks += inst.blocks_held(victim)
+            inst.pending_kv.insert(0, victim)
+            return self._start_step(inst, now)
         partial = [r for r in inst.waiting if r.kv_len > 0]
         if partial:
             victim = partial[-1]          # the most recently started partial prefill
@@ -333,6 +341,10 @@ class Simulator:
             self.qmap.decode_finished(inst.id)
             self.qmap.add(inst.id, victim, now)
             inst.waiting.insert(0, victim)
+        elif inst.free_blocks < inst.total_blocks:
+            # prefill-only instance whose blocks hold finished prefills waiting for their
+            # KV transfer: wait; _on_kv_arrived wakes it when they are freed
+            return
         elif inst.waiting:
             # nothing holds memory and still nothing fits
             r = inst.waiting.pop(0)
@@ -428,6 +440,8 @@ class Simulator:
         src = self._kv_source.pop(r.id, None)
         if src is not None:
             src.free_blocks += src.blocks_held(r)
+            if src.waiting:
+                self._wake(src, now)
         dec.decoding.append(r)
         self._wake(dec, now)
 

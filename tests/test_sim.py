@@ -164,3 +164,12 @@ def test_cli_sweep_table_and_plot(tmp_path):
     assert "slide_batching" in p.stdout and "sarathi_fcfs" in p.stdout
     assert len(json.loads((tmp_path / "sweep.json").read_text())["runs"]) == 4
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_decode_backpressure_stalls_prefill_without_failing():
+    """A full decode pool holds the prefill instances' KV (not yet transferred): prefill
+    waits for blocks instead of failing requests."""
+    reqs = workload(300, 20.0)
+    cfg = SimConfig(deployment="disaggregated", prefill_instances=2, decode_instances=1, num_kv_blocks=800)
+    out = simulate(reqs, MODEL, cfg, gain_for(reqs))
+    assert all(r.error is None and r.num_emitted == r.output_len for r in out.requests)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Regenerate every table and plot in docs/results/ (about 10 minutes on 2 cores).
+#   bash scripts/reproduce_results.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install --quiet --disable-pip-version-check -e ".[plot]"
+D=docs/results
+mkdir -p "$D/colocated" "$D/disaggregated"
+
+# 1. PD co-located, 1 instance, Azure conversation trace, every local policy,
+#    light to overload, 3 seeds (the paper's Figure 10 / §5.2 single-node finding).
+python3 -m sim sweep --rates 2,3,3.5,4,5,6 --seeds 0,1,2 --num-requests 2000 \
+  --out "$D/colocated" | tee "$D/colocated/stdout.txt"
+
+# 2. PD disaggregated, 4 prefill + 4 decode instances, SlideBatching locally,
+#    GoRouting vs Min-Load (and round-robin for reference) (Figure 11).
+python3 -m sim sweep --deployment disaggregated --prefill-instances 4 --decode-instances 8 \
+  --local slide_batching --global go_routing,min_load,round_robin \
+  --rates 20,30,35,40,45,50 --seeds 0,1,2 --num-requests 3000 \
+  --out "$D/disaggregated" | tee "$D/disaggregated/stdout.txt"
+
+# 3. URGENT / NORMAL counts over time under three loads (Figure 17).
+for rate in 3 4 6; do
+  python3 -m sim run --rate "$rate" --num-requests 2000 --global round_robin \
+    --timeline --plot --out "out/timeline-$rate" > /dev/null
+  cp "out/timeline-$rate/timeline.png" "$D/timeline-rate$rate.png"
+done
+
+# 4. Decision times and simulator speed.
+python3 scripts/bench_scheduler.py | tee "$D/bench_scheduler.txt"
