@@ -415,3 +415,22 @@ def test_invalid_min_load_eta():
 def test_valid_edge_params():
     g = GoRouting(alpha=1.0, mu=0.0, lam=2.0, eta=0.05)
     assert (g.alpha, g.mu, g.lam, g.eta) == (1.0, 0.0, 2.0, 0.05)
+
+
+def test_fallback_variant_picks_least_loaded_when_no_instance_meets_the_slo():
+    from scheduler import Estimator, LatencyModel, Request, make_global
+    from scheduler.routing.base import PrefillInstance, PrefillQueueMap
+
+    m = LatencyModel(a_p=0, b_p=0, c_p=1e-3, a_d=0, b_d=1e-3, t_c=0.01)
+    insts = [PrefillInstance(i, Estimator(m)) for i in range(3)]
+    qmap = PrefillQueueMap(insts)
+    for i, n in enumerate((3, 1, 2)):           # 3, 1 and 2 long requests queued
+        for k in range(n):
+            qmap.add(i, Request(f"q{i}{k}", "low", 1.0, 1.0, 0.1, 0.0, 2000, 5), 0.0)
+    req = Request("new", "low", 1.0, 1.0, 0.1, 0.0, 2000, 5)   # cannot meet 1 s anywhere
+    go = make_global("go_routing", fallback="min_load")
+    p, _ = go.route(req, insts, (), 0.0)
+    assert go.last_decision.branch == "fallback" and go.last_decision.delta_max <= 0
+    assert p.id == 1
+    with pytest.raises(ConfigError, match="fallback"):
+        make_global("go_routing", fallback="nearest")

@@ -38,6 +38,10 @@ Defaults (the paper gives none; all settable, validated):
   req added, not req's own completion: req may overtake queued requests with
   later deadlines, so a candidate can still be heavy at λ = 1; a large λ
   disables H. ``mu <= lam`` is required (μ is the lower threshold, λ the upper).
+* ``fallback = "random"``: line 19 when no instance can meet req's TTFT SLO
+  (Δ_max ≤ 0). ``"min_load"`` picks the least ESTIMATEEXEC instead — not in
+  the paper; an option because under sustained load the fallback is taken for
+  most requests (see docs/results.md).
 * ``eta`` (co-located only): floor of the t_budget estimate, default the
   tightest class TPOT SLO, as SlideBatching's η (see ``estimates.resolve_eta``).
 
@@ -55,6 +59,7 @@ from ..request import ConfigError
 from .base import DISAGGREGATED, GlobalPolicy
 from .estimates import evaluate, resolve_eta
 
+FALLBACKS = ("random", "min_load")
 BRANCHES = ("light", "fill", "balance", "fallback")
 
 
@@ -90,7 +95,8 @@ class GoRouting(GlobalPolicy):
     summary = "PROSERVE GoRouting (Alg. 2): TDG-gain candidates, dual-threshold capability-aware choice"
 
     def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
-                 alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None):
+                 alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None,
+                 fallback: str = "random"):
         super().__init__(gain, classes, deployment, seed)
         self.alpha = _number(self.name, "alpha", alpha, 0.0, 1.0, True, False)
         self.mu = _number(self.name, "mu", mu, 0.0, math.inf, False, True)
@@ -99,6 +105,9 @@ class GoRouting(GlobalPolicy):
             raise ConfigError(f"{self.name}: mu (lower threshold) must be <= lam (upper threshold), "
                               f"got mu={mu!r}, lam={lam!r}")
         self.eta = resolve_eta(eta, self.classes, self.name)
+        if fallback not in FALLBACKS:
+            raise ConfigError(f"{self.name}: fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+        self.fallback = fallback
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):
@@ -123,6 +132,8 @@ class GoRouting(GlobalPolicy):
                     best, branch = min(rest, key=lambda i: (-ests[i].exec, prefills[i].id)), "fill"
                 else:                                                       # line 17: least loaded of C
                     best, branch = min(C, key=lambda i: (ests[i].exec, prefills[i].id)), "balance"
+        elif self.fallback == "min_load":                                   # variant of line 19
+            best, branch = min(range(len(prefills)), key=lambda i: (ests[i].exec, prefills[i].id)), "fallback"
         else:                                                               # line 19: RANDOMSELECT(P)
             best, branch = self.rng.randrange(len(prefills)), "fallback"
         ids = [p.id for p in prefills]
