@@ -139,6 +139,9 @@ def test_cli_bad_classes_and_empty_trace(tmp_path):
     bad.write_text(json.dumps([{"name": "gold", "weight": -1, "ttft_slo": 1, "tpot_slo": 0.1}]))
     p = _cli("run", "--classes", str(bad), "--num-requests", "10")
     assert p.returncode == 2 and "weight must be a positive number" in p.stderr
+    bad.write_text(json.dumps([{"name": "gold", "weight": 2, "ttft_slo": -1, "tpot_slo": 0.1}]))
+    p = _cli("run", "--classes", str(bad), "--num-requests", "10")
+    assert p.returncode == 2 and "'gold': ttft_slo must be a positive number, got -1" in p.stderr
     empty = tmp_path / "empty.csv"
     empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     p = _cli("run", "--trace", str(empty), "--format", "azure")

@@ -115,6 +115,18 @@ class BatchBuilder:
         self.tokens += n
         return n
 
+    def fill_tokens(self, ordered, budget: int) -> None:
+        """Take requests in order until ``budget`` tokens: a prefill as many tokens as
+        are left, a decode one; a request memory cannot hold is skipped."""
+        for r in ordered:
+            left = budget - self.tokens
+            if left <= 0:
+                break
+            if r.needs_prefill:
+                self.add_prefill(r, left)
+            else:
+                self.add_decode(r)
+
     def memory_left(self, req: Request) -> bool:
         return blocks_for(req, 1, self.view.block_size) <= self.free_blocks
 

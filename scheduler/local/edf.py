@@ -37,12 +37,5 @@ class EDF(LocalPolicy):
         if view.mode == COLOCATED:
             Q += view.decoding
         b = BatchBuilder(view, self.est)
-        for r in sorted(Q, key=lambda r: (self.key(r), r.arrival)):
-            left = budget - b.tokens
-            if left <= 0:
-                break
-            if r.needs_prefill:
-                b.add_prefill(r, left)
-            else:
-                b.add_decode(r)
+        b.fill_tokens(sorted(Q, key=lambda r: (self.key(r), r.arrival)), budget)
         return b.finish(token_budget=budget)

@@ -60,12 +60,5 @@ class FairBatching(LocalPolicy):
         far = [r for r in decodes if ddl(r) - now > self.slack]
         prefills = sorted(view.waiting, key=lambda r: (ddl(r), r.arrival))
         b = BatchBuilder(view, self.est)
-        for r in near + prefills + far:
-            left = budget - b.tokens
-            if left <= 0:
-                break
-            if r.needs_prefill:
-                b.add_prefill(r, left)
-            else:
-                b.add_decode(r)
+        b.fill_tokens(near + prefills + far, budget)
         return b.finish(token_budget=budget, n_urgent=len(near))

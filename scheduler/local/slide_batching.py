@@ -156,7 +156,7 @@ class SlideBatching(LocalPolicy):
             self._fill_time(b, ordered, t_budget)
             return b.finish(t_budget=t_budget, n_urgent=n_urgent, n_normal=n_normal)
         tokens = self.token_budget or self.tbt_token_budget()
-        self._fill_tokens(b, ordered, tokens)
+        b.fill_tokens(ordered, tokens)
         return b.finish(t_budget=float("nan"), token_budget=tokens, n_urgent=n_urgent, n_normal=n_normal)
 
     # -- Alg. 1 lines 14-18 ----------------------------------------------------------
@@ -184,16 +184,6 @@ class SlideBatching(LocalPolicy):
             r = ordered[0]
             if r.prefilled < r.prefill_len:
                 b.add_prefill(r, max(1, min(b.view.block_size, r.prefill_len - r.prefilled)))
-            else:
-                b.add_decode(r)
-
-    def _fill_tokens(self, b: BatchBuilder, ordered, tokens: int) -> None:
-        for r in ordered:
-            left = tokens - b.tokens
-            if left <= 0:
-                break
-            if r.prefilled < r.prefill_len:
-                b.add_prefill(r, left)
             else:
                 b.add_decode(r)
 
