@@ -19,9 +19,8 @@ from bench import (
 from scheduler.config import default_classes
 from scheduler.request import ConfigError, PriorityClass, Request
 
-AZURE = Path("/work/shared/data/AzureLLMInferenceTrace_conv.csv")
-if not AZURE.exists():  # the repository may be checked out next to the shared data
-    AZURE = Path(__file__).resolve().parents[2] / "shared" / "data" / AZURE.name
+# the copy bundled with the package (bench/data), identical to the shared one
+AZURE = Path(__file__).resolve().parents[1] / "bench" / "data" / "azure_conv_2023.csv"
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -84,7 +83,6 @@ def test_azure_limit_and_gzip(tmp_path):
     assert sniff_format(p) == "azure"
 
 
-@pytest.mark.skipif(not AZURE.exists(), reason="shared Azure trace not available")
 def test_azure_real_trace():
     recs = load_azure(AZURE)
     assert len(recs) == 19366
@@ -369,7 +367,6 @@ def test_scale_to_rate_exact_and_preserves_gaps(rate):
     assert [(r.prompt_len, r.output_len) for r in out] == [(r.prompt_len, r.output_len) for r in recs]
 
 
-@pytest.mark.skipif(not AZURE.exists(), reason="shared Azure trace not available")
 def test_scale_real_trace():
     recs = load_azure(AZURE)
     out = scale_to_rate(recs, 20.0)
@@ -475,7 +472,6 @@ def test_fit_to_context(caplog):
 
 # --- build_workload ------------------------------------------------------------------
 
-@pytest.mark.skipif(not AZURE.exists(), reason="shared Azure trace not available")
 def test_build_workload_azure():
     reqs = build_workload(AZURE, rate=12.5, num_requests=2000, seed=7, start=3.0)
     assert len(reqs) == 2000
