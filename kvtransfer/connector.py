@@ -40,8 +40,8 @@ engine's internal request id, which vLLM suffixes per engine):
 from __future__ import annotations
 
 import logging
+import os
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,6 +129,7 @@ class ProServeConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     finishes: list[FinishSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)  # consumer: transfers no request will load
 
 
 class ProServeConnector(KVConnectorBase_V1):
@@ -149,6 +150,7 @@ class ProServeConnector(KVConnectorBase_V1):
         self._pending_finish: list[FinishSpec] = []
         self._unacked: set[str] = set()
         self._pending_load: list[LoadSpec] = []
+        self._pending_discard: list[str] = []
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -156,8 +158,8 @@ class ProServeConnector(KVConnectorBase_V1):
         self._senders: dict[str, KVSender] = {}
         self._receiver: KVReceiver | None = None
         self._done_sending: set[str] = set()
+        self._finishing: dict[str, tuple[str, str]] = {}  # xfer -> (req_id, addr), awaiting ack
         self._step = 0                                  # producer: steps with saves, orders chunks
-        self._lock = threading.Lock()
         self._loads: dict[str, tuple[LoadSpec, float]] = {}
         self._load_errors: set[int] = set()
         self.stats = {"sent_bytes": 0, "received_xfers": 0, "failed_sends": 0, "failed_loads": 0}
@@ -194,8 +196,9 @@ class ProServeConnector(KVConnectorBase_V1):
         self._pending_load.append(LoadSpec(request.request_id, p["xfer"], block_ids, skip))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = ProServeConnectorMetadata(finishes=self._pending_finish, loads=self._pending_load)
-        self._pending_finish, self._pending_load = [], []
+        meta = ProServeConnectorMetadata(finishes=self._pending_finish, loads=self._pending_load,
+                                         discards=self._pending_discard)
+        self._pending_finish, self._pending_load, self._pending_discard = [], [], []
         if not self.is_producer:
             return meta
         bs = self.block_size
@@ -231,6 +234,10 @@ class ProServeConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         p = self._params.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
+        if p is not None and p["role"] == "consume" and not p.get("claimed"):
+            # nothing was loaded (e.g. a one-token prompt, which vLLM computes itself):
+            # drop the transfer from the receiver instead of holding it until its TTL
+            self._pending_discard.append(p["xfer"])
         if p is None or p["role"] != "produce":
             return False, None
         from vllm.v1.request import RequestStatus
@@ -257,7 +264,17 @@ class ProServeConnector(KVConnectorBase_V1):
         # block dimension: 0 on CPU ([blocks, heads, block_size, 2*head]), 1 on CUDA ([2, blocks, ...])
         self._block_dim = 0 if num_blocks is None or first.shape[0] == num_blocks else 1
         if not self.is_producer and self._receiver is None:
-            self._receiver = KVReceiver(self.listen)
+            # vLLM's CPU worker pins its main thread to one core and busy-polls there; a
+            # thread started from it would inherit that pin and starve. Start the
+            # receiver thread with every core allowed, then restore the pin.
+            pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+            try:
+                if pinned is not None:
+                    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+                self._receiver = KVReceiver(self.listen)
+            finally:
+                if pinned is not None:
+                    os.sched_setaffinity(0, pinned)
             log.info("ProServe KV receiver listening on %s", self.listen)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -305,26 +322,40 @@ class ProServeConnector(KVConnectorBase_V1):
         if meta.saves:
             self._step += 1
         for f in meta.finishes:
-            threading.Thread(target=self._finish, args=(f,), daemon=True,
-                             name=f"kv-finish-{f.xfer}").start()
+            # "done" now; the ack is collected by get_finished (no extra thread)
+            try:
+                self._sender(f.addr).finish_async(f.xfer, timeout=self.timeout_s)
+                self._finishing[f.xfer] = (f.req_id, f.addr)
+            except Exception as e:
+                self._send_failed(f.xfer, f.addr, e)
+                self._done_sending.add(f.req_id)
+        for xfer in meta.discards:
+            if self._receiver is not None:
+                self._receiver.discard(xfer)
         now = time.monotonic()
         for ld in meta.loads:
             self._loads[ld.req_id] = (ld, now + self.timeout_s)
 
-    def _finish(self, f: FinishSpec) -> None:
-        try:
-            self._sender(f.addr).finish(f.xfer, timeout=self.timeout_s)
-        except Exception as e:
-            self.stats["failed_sends"] += 1
-            log.error("KV transfer %s to %s failed: %s; freeing its blocks", f.xfer, f.addr, e)
-        with self._lock:
-            self._done_sending.add(f.req_id)
+    def _send_failed(self, xfer: str, addr: str, e: Exception) -> None:
+        self.stats["failed_sends"] += 1
+        log.error("KV transfer %s to %s failed: %s; freeing its blocks", xfer, addr, e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._lock:
-            sending, self._done_sending = self._done_sending, set()
+        if self._finishing:
+            for sender in self._senders.values():
+                for xfer, outcome in sender.poll_finished().items():
+                    entry = self._finishing.pop(xfer, None)
+                    if entry is None:
+                        continue
+                    if isinstance(outcome, Exception):
+                        self._send_failed(xfer, entry[1], outcome)
+                    self._done_sending.add(entry[0])   # acked or failed: vLLM may free the blocks
+        sending, self._done_sending = self._done_sending, set()
         recving: set[str] = set()
         if self._loads:
+            # the engine steps back to back while a request waits for its KV; give the
+            # receiver thread the interpreter for a moment so it can take the data in
+            time.sleep(0.002)
             now = time.monotonic()
             for req_id, (ld, deadline) in list(self._loads.items()):
                 result = self._receiver.wait(ld.xfer, timeout=0) if self._receiver.ready(ld.xfer) else None

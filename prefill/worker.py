@@ -42,6 +42,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                     help="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPUs use "
                          "--gpu-memory-utilization")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--cpu-bind", default=None,
+                    help="CPU cores for the engine's threads (VLLM_CPU_OMP_THREADS_BIND, e.g. '0' or '0-3'); "
+                         "give co-hosted workers disjoint cores")
     ap.add_argument("--kv-timeout", type=float, default=30.0,
                     help="seconds any KV transfer wait may take before it fails (default 30)")
     if role == "decode":
@@ -100,6 +103,8 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+        if args.cpu_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
     return argv, env
 
 

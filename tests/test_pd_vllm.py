@@ -36,8 +36,9 @@ def cluster(tmp_path_factory):
     model = str(make_checkpoint(tmp / "ckpt"))
     dump = tmp / "dump"
     listen = f"tcp://127.0.0.1:{free_port()}"
-    p = Worker("prefill", free_port(), tmp / "prefill.log", engine_args(model, dump))
-    d = Worker("decode", free_port(), tmp / "decode.log", engine_args(model, dump, "--kv-listen", listen))
+    p = Worker("prefill", free_port(), tmp / "prefill.log", engine_args(model, dump, "--cpu-bind", "0"))
+    d = Worker("decode", free_port(), tmp / "decode.log",
+               engine_args(model, dump, "--cpu-bind", "1", "--kv-listen", listen))
     try:
         p.wait_healthy()
         d.wait_healthy()
@@ -84,6 +85,11 @@ def test_pd_output_and_kv_match_single_engine(cluster):
         got, params = pd_generate(c["prefill"], c["decode"], c["model"], prompt, 12, xfer, c["listen"])
         assert params.get("xfer_id") == xfer, params
         sent, recv = assembled(c["dump"], xfer, "sent"), assembled(c["dump"], xfer, "recv")
+        if len(prompt) == 1 and not recv:
+            # vLLM recomputes the last prompt token in any case, so for a one-token
+            # prompt loading its KV is optional; the output must still match
+            assert got == alone, (got, alone)
+            continue
         assert recv, f"decode engine did not load KV for {xfer} (recomputed instead?)"
         n_blocks = -(-len(prompt) // BLOCK)
         assert {b for _, b in recv} == set(range(n_blocks)), xfer
