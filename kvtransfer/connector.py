@@ -170,7 +170,7 @@ class ProServeConnector(KVConnectorBase_V1):
             p = parse_params(request.kv_transfer_params)
         except TransferParamsError as e:
             log.error("request %s: %s; served without KV transfer", request.request_id, e)
-            request.kv_transfer_params = {"error": str(e)}
+            self._params[request.request_id] = {"role": "invalid", "error": str(e)}
             return
         if p is None:
             return
@@ -238,6 +238,8 @@ class ProServeConnector(KVConnectorBase_V1):
             # nothing was loaded (e.g. a one-token prompt, which vLLM computes itself):
             # drop the transfer from the receiver instead of holding it until its TTL
             self._pending_discard.append(p["xfer"])
+        if p is not None and p["role"] == "invalid":
+            return False, {"error": p["error"]}
         if p is None or p["role"] != "produce":
             return False, None
         from vllm.v1.request import RequestStatus
@@ -428,12 +430,12 @@ def _dump(root: str, xfer: str, name: str, t: torch.Tensor) -> None:
 
 
 def _corrupt(chunk, how: str):
-    """Test hook: flip one byte of the first block, or swap its first two blocks."""
+    """Test hook: swap the first two blocks ("swap"), or negate every value of the
+    first block ("flip")."""
     layer, first_block, data = chunk
     data = data.clone()
     if how == "swap" and data.shape[0] >= 2:
         data[[0, 1]] = data[[1, 0]]
     else:
-        raw = data.view(torch.uint8).reshape(data.shape[0], -1)
-        raw[0, 7] ^= 0x40
+        data[0] = -data[0]
     return layer, first_block, data

@@ -116,20 +116,24 @@ def test_kv_comparison_detects_a_corrupted_or_misplaced_block(cluster):
 
 
 def test_corrupted_kv_changes_the_output(tmp_path):
-    """An engine fed a KV with two blocks swapped generates different tokens: the
-    token-for-token comparison above would catch a misplaced block."""
+    """An engine fed a corrupted KV block generates different tokens, so the
+    token-for-token comparison above catches corruption. (A *misplaced* block is
+    invisible in the tokens: the decode queries attend to every prompt key, and
+    attention is invariant to permuting keys with their values, RoPE being baked
+    into K. The byte comparison catches that case; see the test above.)"""
     model = str(make_checkpoint(tmp_path / "ckpt"))
     dump = tmp_path / "dump"
     listen = f"tcp://127.0.0.1:{free_port()}"
-    p = Worker("prefill", free_port(), tmp_path / "p.log", engine_args(model, dump))
+    p = Worker("prefill", free_port(), tmp_path / "p.log", engine_args(model, dump, "--cpu-bind", "0"))
     d = Worker("decode", free_port(), tmp_path / "d.log",
-               engine_args(model, dump, "--kv-listen", listen, "--kv-extra", "debug_corrupt=swap"))
+               engine_args(model, dump, "--cpu-bind", "1", "--kv-listen", listen, "--kv-extra", "debug_corrupt=flip"))
     try:
         p.wait_healthy()
         d.wait_healthy()
         prompt = prompts()[10]  # 250 tokens
         alone = complete(d.url, model, prompt, 12)["choices"][0]["token_ids"]
-        got, _ = pd_generate(p, d, model, prompt, 12, "swapped", listen)
+        got, _ = pd_generate(p, d, model, prompt, 12, "flipped", listen)
+        assert assembled(dump, "flipped", "recv"), "the decode engine must have loaded the (corrupted) KV"
         assert got != alone
     finally:
         p.stop()

@@ -1,0 +1,140 @@
+"""Shared pieces of the KV transport: errors, defaults, counters, dtype names."""
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import socket
+import sys
+import threading
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from .wire import DTYPES, WireError
+
+log = logging.getLogger("kvtransfer.transport")
+
+DEFAULT_CHUNK_BYTES = 4 << 20          # payload bytes per kv message
+DEFAULT_CREDIT_BYTES = 64 << 20        # flow-control window per sender connection
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20   # header + payload, checked on receive
+MESSAGE_OVERHEAD = 1024                # credit charged per payload message on top of its bytes
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_HOST = "127.0.0.1"
+
+
+class TransferError(RuntimeError):
+    """A transfer failed (rejected, aborted, truncated, connection reset...)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A bounded wait (credit, ack, receipt) ran out of time."""
+
+
+class Stats:
+    """Counters for logs/metrics. Updated by one thread at a time (the receiver
+    thread, or a sender caller holding the sender's lock); :meth:`snapshot` is
+    safe from any thread and returns a plain dict (``rejected``: reason -> count)."""
+
+    def __init__(self, *names: str):
+        self.c: dict[str, float] = {n: 0 for n in names}
+        self.c["rejected_total"] = 0
+        self.rejected: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: float = 1) -> None:
+        self.c[name] = self.c.get(name, 0) + n
+
+    def max(self, name: str, v: float) -> None:
+        if v > self.c.get(name, 0):
+            self.c[name] = v
+
+    def reject(self, reason: str) -> int:
+        with self._lock:
+            self.rejected[reason] += 1
+            self.c["rejected_total"] += 1
+            return self.rejected[reason]
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            d = dict(self.c)
+            d["rejected"] = dict(self.rejected)
+        return d
+
+
+def log_reject(side: str, count: int, err: Any, peer: str = "") -> None:
+    # the first few of each reason, then every 1000th: a flood must not flood the log
+    if count <= 10 or count % 1000 == 0:
+        log.warning("kvtransfer %s: rejected message%s (%s; %d so far for this reason)",
+                    side, f" from {peer}" if peer else "", err, count)
+
+
+_DTYPE_CACHE: dict[Any, str] = {}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """``'float16'``, ``'torch.float16'``, ``np.float16``/``np.dtype``, ``torch.float16``
+    -> ``'float16'``; raises ``ValueError`` for anything not in the allow-list."""
+    try:
+        return _DTYPE_CACHE[dtype]
+    except (KeyError, TypeError):
+        pass
+    if dtype is None:
+        raise ValueError("dtype is required")
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype)
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    name = name.removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    try:
+        _DTYPE_CACHE[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+def is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # never import torch just to ask
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def numpy_dtype(name: str):
+    try:
+        return np.dtype(name)
+    except TypeError:
+        pass
+    try:
+        import ml_dtypes  # optional: bfloat16 / float8 for numpy
+        return np.dtype(getattr(ml_dtypes, name))
+    except (ImportError, AttributeError, TypeError):
+        raise TypeError(f"dtype {name!r} has no numpy equivalent here; use .tensor() or .tobytes()") from None
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A currently free TCP port on ``host`` (for tests and scripts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def accepts_kwargs(fn: Callable, names: Iterable[str]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return True
+    have = {p.name for p in params}
+    return all(n in have for n in names)
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MESSAGE_OVERHEAD",
+           "DEFAULT_TIMEOUT_S", "DEFAULT_HOST", "TransferError", "TransferTimeout", "Stats", "WireError",
+           "normalize_dtype", "free_port"]

@@ -1,0 +1,83 @@
+"""Engine-agnostic ZeroMQ KV-cache transport: :class:`KVSender` and :class:`KVReceiver`.
+
+Wire format: see :mod:`kvtransfer.wire` (msgpack header + raw tensor frames; no
+pickle anywhere).
+
+Sockets
+-------
+The receiver binds one ``ROUTER`` socket; every sender connects a ``DEALER``
+(one per destination address, with a unique routing id per socket). ROUTER/DEALER
+was chosen over PUSH/PULL + a separate ack socket because the control traffic
+(flow-control credit, ``ack``/``nack``) flows back on the *same* connection: no
+second port to allocate, advertise and firewall, no race between "data arrived"
+and "ack socket connected", and the ROUTER's routing id tells the receiver which
+sender a chunk came from, so one receiver serves any number of senders and a
+sender only ever sees answers about its own transfers. Messages on one
+connection are ordered, so when ``done`` arrives every earlier chunk of that
+transfer has either been received or was lost/rejected -- counting is enough to
+detect truncation.
+
+Flow control
+------------
+Credit-based, in bytes, per connection (the ZeroMQ high-water marks are only a
+backstop). A new DEALER sends ``hello``; the receiver answers with
+``credit(init=True, bytes=credit_bytes, max_message=...)``, the window. Every
+payload-carrying message costs ``len(payload) + MESSAGE_OVERHEAD`` bytes of
+credit; the sender blocks (each wait bounded by a timeout, raising
+:class:`TransferTimeout`) when a chunk would exceed its remaining credit. The
+receiver returns credit after a chunk has been *consumed* (handed to the
+``on_chunk`` callback, which has returned, or stored), batching the returns
+of everything it drained in one go. So at most ``credit_bytes`` of unconsumed
+data per sender sits in ZeroMQ queues on either side, whatever the network or
+the receiver do; a stalled receiver stalls the sender instead of growing memory.
+Chunks are clamped to the window and to the receiver's ``max_message``.
+
+Liveness: when a wait times out and the channel has not heard anything from the
+receiver since the wait began, the sender closes that DEALER (dropping what is
+queued), fails the other transfers that were in flight on it, and opens a fresh
+one (new routing id, new ``hello``), so a restarted receiver on the same address
+is picked up and a new transfer can proceed.
+
+Threads and copies
+------------------
+:class:`KVReceiver` runs one background thread that owns its ROUTER socket;
+``wait``/``discard``/``stats`` are thread-safe. :class:`KVSender` has no thread
+of its own: the calling thread sends straight into ZeroMQ (whose own I/O thread
+then writes to the network) under one lock, applies incoming credit/acks
+whenever it runs, and sleeps on the socket's fd with the lock released while
+it waits, so the methods are thread-safe. CPU payloads are sent zero-copy
+(``copy=False``; ZeroMQ holds a reference until the bytes are written) and
+received zero-copy (the received frames are the result's buffers); tensors on
+an accelerator are staged through reusable pinned host buffers, tracked so a
+buffer is reused only after ZeroMQ released it.
+
+Public API (re-exported here)
+-----------------------------
+``KVSender(address=None, *, chunk_bytes, timeout, staging_slots, ctx, name)``
+    ``send_layer(xfer_id, layer, blocks, data, dtype=None, shape=None, *, dest=None, timeout=None) -> int``,
+    ``finish(xfer_id, timeout=None) -> SendResult``, ``finish_async(xfer_id, timeout=None)``,
+    ``poll_finished() -> {xfer_id: SendResult | TransferError}``, ``abort(xfer_id, reason)``,
+    ``begin(xfer_id, dest=None)``, ``connect(dest=None)``, ``pending()``, ``close()``, ``stats``.
+``KVReceiver(address=None, *, port=0, on_chunk=None, credit_bytes, max_message_bytes, max_held_bytes,
+stale_after_s, result_ttl_s, ctx, name)``
+    ``address``, ``wait(xfer_id, timeout=None, *, drop_on_timeout=False) -> TransferResult``,
+    ``ready(xfer_id)``, ``completed()``, ``discard(xfer_id)``, ``close()``, ``stats``.
+``TransferResult(xfer_id, ok, error, chunks, nbytes, layers, elapsed_s)`` with
+``layers[layer]: LayerData`` (``array()``, ``tensor()``, ``tobytes()``, ``blocks``, ``chunks``).
+Errors: ``TransferError``, ``TransferTimeout`` (also a ``TimeoutError``), ``WireError``.
+"""
+from __future__ import annotations
+
+from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CREDIT_BYTES, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES,
+                     DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD, Stats, TransferError, TransferTimeout, free_port,
+                     normalize_dtype)
+from .receiver import ChunkData, KVReceiver, LayerData, TransferResult
+from .sender import KVSender, SendResult, plan_chunks
+from .wire import DTYPES, WireError
+
+__all__ = [
+    "KVSender", "KVReceiver", "SendResult", "TransferResult", "LayerData", "ChunkData",
+    "TransferError", "TransferTimeout", "WireError", "Stats", "DTYPES", "plan_chunks", "normalize_dtype",
+    "free_port", "DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S",
+    "DEFAULT_HOST", "MESSAGE_OVERHEAD",
+]

@@ -1,0 +1,311 @@
+"""Wire format of the ZeroMQ KV-cache transport (version 1).
+
+Every message is a multipart ZeroMQ message::
+
+    frame 0      msgpack-encoded header (a map with str keys)
+    frame 1..n   raw tensor bytes (only ``kv`` messages carry one; all others none)
+
+Nothing is ever pickled: the header is plain msgpack (str/int/bool/list/map only),
+the payload is the C-contiguous, little-endian bytes of one chunk.
+
+Header fields common to every kind: ``v`` (int, must be 1) and ``kind`` (str).
+The other fields depend on the kind; a header must carry exactly these fields,
+no more and no less, each of the stated type (``bool`` is never accepted where an
+``int`` is expected):
+
+sender -> receiver
+
+``hello``  ``{}``
+    First message on a new connection; the receiver answers with the initial
+    ``credit`` grant (see ``transport`` for the flow-control scheme).
+``kv``     ``xfer: str, layer: int>=0, seq: int>=0, blocks: [int>=0], dtype: str,
+           shape: [int>=0], nbytes: int>=0, offset: int>=0, lshape: [int>=0]``
+    One chunk of one layer. ``xfer`` is the transfer id the caller issued (the
+    dispatcher's id, never an engine-internal request id). ``seq`` is the chunk
+    index within the layer (0, 1, ...). ``shape`` is the shape of this chunk,
+    ``lshape`` the shape of the whole layer tensor, ``offset`` the byte offset of
+    this chunk within the layer's C-contiguous bytes. ``blocks`` are the block ids
+    the caller passed for the layer, in the *sender's* numbering (prefill-side
+    KV block ids or logical block positions in the request — the transport does
+    not interpret them). When the layer's leading axis is the block axis
+    (``lshape[0] == len(blocks)``) and the layer is split along that axis, each
+    chunk carries only the block ids of its own rows; otherwise every chunk
+    carries the full list. ``dtype`` comes from :data:`DTYPES`;
+    ``nbytes == prod(shape) * itemsize(dtype) == len(payload frame)`` and
+    ``offset + nbytes <= prod(lshape) * itemsize``.
+``done``   ``xfer: str, chunks: int>=0, layers: int>=0, nbytes: int>=0``
+    Closes a transfer, announcing how many ``kv`` chunks, distinct layers and
+    payload bytes were sent, so the receiver can tell a complete transfer from a
+    truncated one.
+``abort``  ``xfer: str, reason: str``
+    The receiver drops whatever it holds for ``xfer``.
+
+receiver -> sender
+
+``credit`` ``bytes: int>=0, init: bool, max_message: int>0``
+    Flow-control grant. ``init`` is true on the answer to ``hello`` (``bytes`` is
+    then the whole window), false on later returns of consumed credit.
+``ack``    ``xfer: str, chunks: int>=0, nbytes: int>=0``
+    The transfer was received in full (and, with an ``on_chunk`` callback,
+    written to its destination); the sender may free its KV blocks.
+``nack``   ``xfer: str, reason: str``
+    The transfer failed on the receiver side (truncated, aborted, abandoned,
+    chunk rejected, ...).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import msgpack
+import zmq
+
+VERSION = 1
+
+#: Allowed ``dtype`` strings and their item sizes in bytes.
+DTYPES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+#: Largest accepted header (frame 0), bytes.
+MAX_HEADER_BYTES = 1 << 20
+#: Largest accepted ``shape``/``lshape`` rank and ``blocks``/``xfer`` lengths.
+MAX_NDIM = 16
+MAX_BLOCKS = 1 << 20
+MAX_XFER_LEN = 512
+MAX_REASON_LEN = 4096
+
+SENDER_KINDS = ("hello", "kv", "done", "abort")
+RECEIVER_KINDS = ("credit", "ack", "nack")
+
+# field -> type tag; "int" = non-negative int (never bool), "ints" = list of those.
+_FIELDS: dict[str, dict[str, str]] = {
+    "hello": {},
+    "kv": {"xfer": "xfer", "layer": "int", "seq": "int", "blocks": "ints", "dtype": "dtype",
+           "shape": "shape", "nbytes": "int", "offset": "int", "lshape": "shape"},
+    "done": {"xfer": "xfer", "chunks": "int", "layers": "int", "nbytes": "int"},
+    "abort": {"xfer": "xfer", "reason": "str"},
+    "credit": {"bytes": "int", "init": "bool", "max_message": "int"},
+    "ack": {"xfer": "xfer", "chunks": "int", "nbytes": "int"},
+    "nack": {"xfer": "xfer", "reason": "str"},
+}
+_PAYLOAD_FRAMES = {"kv": 1}
+
+
+class WireError(ValueError):
+    """A malformed message. ``reason`` is a short token used as a stats key; the
+    message names the offending field. ``xfer`` is the transfer id when the
+    header got far enough to tell it (else ``None``)."""
+
+    def __init__(self, reason: str, detail: str, xfer: str | None = None):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.xfer = xfer
+
+
+class Message:
+    """A validated message: ``kind``, ``header`` (the dict), ``payload`` (a tuple
+    of zero or one memoryview)."""
+    __slots__ = ("kind", "header", "payload")
+
+    def __init__(self, kind: str, header: dict, payload: tuple):
+        self.kind = kind
+        self.header = header
+        self.payload = payload
+
+    def __getitem__(self, key):
+        return self.header[key]
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}") from None
+
+
+def prod(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """Pack a header. Fields are checked with the same rules as on receive, so a
+    bug on the sending side fails loudly here instead of on the peer."""
+    header = {"v": VERSION, "kind": kind, **fields}
+    _check_header(header, SENDER_KINDS + RECEIVER_KINDS)
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def encode_kv(xfer: str, layer: int, seq: int, blocks: list, dtype: str, shape: Sequence[int], nbytes: int,
+              offset: int, lshape: list) -> bytes:
+    """Fast path for the sender's ``kv`` header (its inputs are validated by
+    ``KVSender.send_layer``; the receiver validates everything again)."""
+    return msgpack.packb({"v": VERSION, "kind": "kv", "xfer": xfer, "layer": layer, "seq": seq,
+                          "blocks": blocks, "dtype": dtype, "shape": list(shape), "nbytes": nbytes,
+                          "offset": offset, "lshape": lshape}, use_bin_type=True)
+
+
+def decode(frames: Sequence[Any], kinds: Sequence[str], max_message_bytes: int | None = None) -> Message:
+    """Parse and strictly validate one multipart message (without routing id).
+
+    ``frames`` are bytes-like objects or ``zmq.Frame``s; ``kinds`` the kinds this
+    side accepts. Raises :class:`WireError` on anything malformed.
+    """
+    if not frames:
+        raise WireError("frame_count", "empty message")
+    # zmq.Frame and bytes both have len() in bytes; other buffers go through memoryview
+    frames = [f if isinstance(f, (zmq.Frame, bytes)) else memoryview(f).cast("B") for f in frames]
+    total = sum(map(len, frames))
+    head = frames[0]
+    if isinstance(head, zmq.Frame):
+        head = head.bytes if len(head) <= MAX_HEADER_BYTES else head.buffer
+    if max_message_bytes is not None and total > max_message_bytes:
+        raise WireError("too_large", f"message of {total} bytes exceeds the limit of {max_message_bytes}",
+                        xfer=_peek_xfer(head))
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError("too_large", f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True,
+                                 max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_ext_len=0,
+                                 max_array_len=MAX_BLOCKS, max_map_len=64)
+    except Exception as e:  # msgpack raises several exception types
+        raise WireError("bad_msgpack", f"header is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise WireError("bad_header", f"header must be a map, got {type(header).__name__}")
+    if not (header.get("kind") == "kv" and "kv" in kinds and _kv_header_ok(header)):
+        _check_header(header, kinds)  # the general checker (and the precise error message)
+    kind = header["kind"]
+    payload = tuple(f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames[1:])
+    want = _PAYLOAD_FRAMES.get(kind, 0)
+    if len(payload) != want:
+        raise WireError("frame_count", f"'{kind}' message needs {want} payload frame(s), got {len(payload)}",
+                        xfer=header.get("xfer"))
+    if kind == "kv":
+        _check_kv(header, payload[0])
+    return Message(kind, header, payload)
+
+
+def _kv_header_ok(h: dict) -> bool:
+    """Fast acceptance test for a well-formed ``kv`` header (same rules as
+    :func:`_check_header`; anything it does not accept goes through that)."""
+    if len(h) != 11:
+        return False
+    try:
+        v, x, layer, seq, blocks = h["v"], h["xfer"], h["layer"], h["seq"], h["blocks"]
+        dtype, shape, nbytes, offset, lshape = h["dtype"], h["shape"], h["nbytes"], h["offset"], h["lshape"]
+    except KeyError:
+        return False
+    return (type(v) is int and v == VERSION and type(x) is str and 0 < len(x) <= MAX_XFER_LEN
+            and type(layer) is int and layer >= 0 and type(seq) is int and seq >= 0
+            and type(nbytes) is int and nbytes >= 0 and type(offset) is int and offset >= 0
+            and type(dtype) is str and dtype in DTYPES
+            and _nonneg_ints(blocks)
+            and _nonneg_ints(shape) and len(shape) <= MAX_NDIM
+            and _nonneg_ints(lshape) and len(lshape) <= MAX_NDIM)
+
+
+_INT_ONLY = {int}
+
+
+def _nonneg_ints(xs) -> bool:
+    return type(xs) is list and (not xs or (set(map(type, xs)) == _INT_ONLY and min(xs) >= 0))
+
+
+def _peek_xfer(head: memoryview) -> str | None:
+    """Best-effort transfer id of an oversized message (to fail its transfer)."""
+    try:
+        h = msgpack.unpackb(head, raw=False, max_bin_len=0, max_ext_len=0, max_map_len=64)
+        x = h.get("xfer") if isinstance(h, dict) else None
+        return x if isinstance(x, str) and 0 < len(x) <= MAX_XFER_LEN else None
+    except Exception:
+        return None
+
+
+def _check_header(h: dict, kinds: Sequence[str]) -> None:
+    if "v" not in h:
+        raise WireError("missing_field", "field 'v' is missing")
+    if type(h["v"]) is not int or h["v"] != VERSION:
+        raise WireError("bad_version", f"field 'v': expected {VERSION}, got {h['v']!r}")
+    kind = h.get("kind")
+    if kind not in kinds or not isinstance(kind, str):
+        raise WireError("bad_kind", f"field 'kind': expected one of {list(kinds)}, got {kind!r}")
+    spec = _FIELDS[kind]
+    xfer = h.get("xfer") if isinstance(h.get("xfer"), str) else None
+    if len(h) != len(spec) + 2:
+        for name in h:
+            if name not in spec and name not in ("v", "kind"):
+                raise WireError("unknown_field", f"field {name!r} is not allowed in a '{kind}' header", xfer)
+    for name, tag in spec.items():
+        if name not in h:
+            raise WireError("missing_field", f"field {name!r} is missing from a '{kind}' header", xfer)
+        _check_field(name, tag, h[name], xfer)
+
+
+def _is_nonneg_int(x) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _bad(name: str, x, expected: str, xfer) -> WireError:
+    shown = repr(x) if len(repr(x)) < 80 else repr(x)[:77] + "..."
+    return WireError("bad_field", f"field {name!r}: expected {expected}, got {type(x).__name__} {shown}", xfer)
+
+
+def _check_field(name: str, tag: str, x, xfer) -> None:
+    t = type(x)
+    if tag == "int":
+        if t is not int or x < 0:
+            raise _bad(name, x, "int >= 0", xfer)
+    elif tag == "ints":
+        if t is not list or not all(type(d) is int and d >= 0 for d in x):
+            raise _bad(name, x, "list of ints >= 0", xfer)
+    elif tag == "shape":
+        if t is not list or len(x) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in x):
+            raise _bad(name, x, f"list of at most {MAX_NDIM} ints >= 0", xfer)
+    elif tag == "xfer":
+        if t is not str or not 0 < len(x) <= MAX_XFER_LEN:
+            raise _bad(name, x, f"non-empty str of at most {MAX_XFER_LEN} chars", xfer)
+    elif tag == "dtype":
+        if t is not str:
+            raise _bad(name, x, "dtype name (str)", xfer)
+        if x not in DTYPES:
+            raise WireError("bad_dtype", f"field {name!r}: dtype {x!r} is not in the allow-list {list(DTYPES)}", xfer)
+    elif tag == "bool":
+        if t is not bool:
+            raise _bad(name, x, "bool", xfer)
+    elif tag == "str":
+        if t is not str or len(x) > MAX_REASON_LEN:
+            raise _bad(name, x, f"str of at most {MAX_REASON_LEN} chars", xfer)
+    else:  # pragma: no cover
+        raise AssertionError(tag)
+
+
+def _check_kv(h: dict, payload: memoryview) -> None:
+    xfer = h["xfer"]
+    isz = DTYPES[h["dtype"]]
+    want = prod(h["shape"]) * isz
+    if h["nbytes"] != want:
+        raise WireError("nbytes_mismatch",
+                        f"field 'nbytes': {h['nbytes']} != prod(shape={h['shape']}) * itemsize({h['dtype']}) = {want}",
+                        xfer)
+    if payload.nbytes != h["nbytes"]:
+        raise WireError("nbytes_mismatch",
+                        f"field 'nbytes': header says {h['nbytes']} bytes, payload frame has {payload.nbytes}", xfer)
+    layer_bytes = prod(h["lshape"]) * isz
+    if h["offset"] + h["nbytes"] > layer_bytes:
+        raise WireError("bad_offset",
+                        f"field 'offset': {h['offset']} + nbytes {h['nbytes']} exceeds the layer's "
+                        f"{layer_bytes} bytes (lshape={h['lshape']})", xfer)
