@@ -189,3 +189,9 @@ def test_bad_transfer_params_do_not_break_the_engine(cluster):
                    {"do_remote_decode": True, "xfer_id": "bad id with spaces", "remote_addr": "http://x"})
     assert "error" in (out.get("kv_transfer_params") or {})
     assert complete(c["prefill"].url, c["model"], [5, 6, 7], 2)["choices"][0]["token_ids"]
+
+
+def test_decode_worker_reports_free_kv_blocks(cluster):
+    from decode.status import fetch_free_kv_blocks
+    free = fetch_free_kv_blocks(cluster["decode"].url)
+    assert free > 0
