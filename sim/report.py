@@ -92,6 +92,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path) -> None:
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_sweep(rows: Sequence[dict], path: str | Path, series_key: str = "policy",
                metrics=("tdg_ratio", "slo_attainment", "tdg_ratio@high", "tdg_ratio@low"),
                title: str = "") -> None:
@@ -119,10 +126,7 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, series_key: str = "policy
     axes[0][0].legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_timeline(points, path: str | Path, bin_s: float = 1.0, title: str = "") -> None:
@@ -144,7 +148,4 @@ def plot_timeline(points, path: str | Path, bin_s: float = 1.0, title: str = "")
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
