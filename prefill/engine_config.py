@@ -1,0 +1,102 @@
+"""The scheduler plugin's configuration (``additional_config["proserve"]``),
+checked and turned into policy objects without importing vLLM, so the worker
+launcher can reject a bad flag before starting an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from scheduler import registry
+from scheduler.config import classes_from_dicts, default_classes
+from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
+from scheduler.local.base import MODES, PREFILL_ONLY, LocalPolicy
+from scheduler.request import ConfigError, PriorityClass
+from scheduler.tdg import GainConfig
+
+from .params import default_class_of
+
+STOCK = "stock"
+
+
+@dataclass
+class EngineConfig:
+    """``additional_config["proserve"]`` of the engine.
+
+    local_policy    a name from ``scheduler.registry.local_names()``, or "stock"
+    mode            "prefill_only" (disaggregated prefill instance, φ_p) or
+                    "colocated" (prefill chunks and decodes share batches)
+    latency_model   path of a latency-model JSON (``python -m profiler``'s output)
+    policy_params   keyword arguments of the policy, e.g. {"gamma": 1.0, "phi": "c"}
+    classes         [{"name", "weight", "ttft_slo", "tpot_slo"}, ...] (default high/low)
+    default_class   class of requests that name none (default: the lowest weight)
+    w_p, w_d        TDG token weights (Eq. 3); deadline "fixed" | "ttft_anchored"
+    theta, window_s online correction (β) momentum and window
+    record_steps    path of a JSONL file that gets one line per step (profiling, benchmarks)
+    """
+
+    local_policy: str = "slide_batching"
+    mode: str = PREFILL_ONLY
+    latency_model: str | None = None
+    policy_params: dict = field(default_factory=dict)
+    classes: list | None = None
+    default_class: str | None = None
+    w_p: float = 1.0
+    w_d: float = 1.0
+    deadline: str = "fixed"
+    theta: float = 0.8
+    window_s: float = 1.0
+    record_steps: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "EngineConfig":
+        d = dict(d or {})
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ConfigError(f"additional_config.proserve: unknown key(s) {', '.join(bad)}; "
+                              f"known: {', '.join(sorted(known))}")
+        cfg = cls(**d)
+        if cfg.mode not in MODES:
+            raise ConfigError(f"additional_config.proserve.mode must be one of {', '.join(MODES)}, got {cfg.mode!r}")
+        if cfg.local_policy != STOCK:
+            registry.local_policy(cfg.local_policy)  # raises ConfigError listing the names
+        if not isinstance(cfg.policy_params, dict):
+            raise ConfigError("additional_config.proserve.policy_params must be an object")
+        return cfg
+
+
+@dataclass
+class Parts:
+    classes: dict[str, PriorityClass]
+    default_class: str
+    estimator: Estimator
+    gain: GainConfig
+    policy: LocalPolicy | None     # None: vLLM's own decisions ("stock")
+
+
+def load_model(path: str | None) -> LatencyModel:
+    from profiler import modelfile  # file I/O stays out of scheduler/
+    return modelfile.load(path or modelfile.CPU_TINY)
+
+
+def build(cfg: EngineConfig, model: LatencyModel | None = None) -> Parts:
+    """The objects the plugin runs; bad values raise ConfigError naming them."""
+    where = "additional_config.proserve"
+    classes = classes_from_dicts(cfg.classes, f"{where}.classes") if cfg.classes else default_classes()
+    default = cfg.default_class or default_class_of(classes)
+    if default not in classes:
+        raise ConfigError(f"{where}.default_class {default!r} is not a configured class ({', '.join(classes)})")
+    est = Estimator(model or load_model(cfg.latency_model), OnlineCorrector(cfg.theta, cfg.window_s))
+    gain = GainConfig(w_p=cfg.w_p, w_d=cfg.w_d, deadline=cfg.deadline)
+    policy = None if cfg.local_policy == STOCK else registry.make_local(
+        cfg.local_policy, est, gain, classes, **cfg.policy_params)
+    return Parts(classes, default, est, gain, policy)
+
+
+def check(cfg: Mapping, classes: Mapping[str, PriorityClass] | None = None) -> None:
+    """Raise ConfigError if the engine would reject ``cfg`` (used by the launcher before exec)."""
+    c = EngineConfig.from_dict(dict(cfg))
+    # a stand-in model: only the policy's own parameter checks matter here, the
+    # latency-model file is loaded (and its errors reported) by the launcher
+    build(c, model=LatencyModel(1e-9, 1e-9, 1e-6, 1e-7, 1e-4, 1e-3))

@@ -1,0 +1,272 @@
+"""ProServe's vLLM scheduler plugin: SlideBatching (or any registered local
+policy) decides each step's batch inside a real vLLM engine.
+
+Load it with ``scheduler_cls="prefill.engine_scheduler.ProServeScheduler"`` and
+configure it under ``additional_config={"proserve": {...}}`` (``python -m
+prefill --local-policy ...`` does both; see :class:`EngineConfig`).
+
+How the two decisions of Algorithm 1 reach vLLM, with vLLM left to do the rest
+(block allocation, prefix cache, KV connector, outputs):
+
+1. **Which requests, in which order.** Before vLLM's ``schedule()`` runs, the
+   plugin shows the policy an :class:`~scheduler.local.base.InstanceView` built
+   from vLLM's queues and gets a :class:`~scheduler.local.base.BatchPlan`. The
+   waiting queues are swapped, for the duration of the call, for queues holding
+   only the planned requests in plan order; everything else goes back, in its
+   old order, afterwards.
+2. **How many tokens each.** The plan's chunk for every request (GETMAXCHUNK of
+   the latency budget) becomes a per-request cap applied through
+   ``_reserve_prefill_lookahead``, the last per-request clamp vLLM applies
+   (in both its running and waiting loops) before allocating blocks. A running
+   request without a chunk is capped to 0, which vLLM treats as "skip this
+   step". vLLM's own token budget (``max_num_batched_tokens``) still bounds the
+   batch.
+
+Online correction (§4.1): the time from the end of ``schedule()`` to the
+matching ``update_from_output()`` is the step's measured time (vLLM on CPU
+schedules synchronously; the plugin refuses async scheduling), the estimate is
+T_pd of the batch vLLM actually scheduled, and the pair feeds β.
+
+``local_policy = "stock"`` runs vLLM's own decisions unchanged, with the same
+per-step timing and recording: that is what the profiler drives and what the
+scheduling-overhead benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from scheduler.local.base import PREFILL_ONLY, InstanceView
+from scheduler.request import ConfigError, Phase, Request as PolicyRequest
+
+from .engine_config import EngineConfig, build
+from .params import ParamsError, parse
+
+logger = logging.getLogger("proserve.scheduler")
+
+
+class ProServeScheduler(Scheduler):
+    """A thin vLLM ``Scheduler`` whose batch decisions come from a ``scheduler/`` policy."""
+
+    def __init__(self, vllm_config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        cfg = self.ps_config = EngineConfig.from_dict(extra.get("proserve"))
+        if getattr(self.scheduler_config, "async_scheduling", False):
+            raise ConfigError("ProServeScheduler needs synchronous scheduling (it times each step between "
+                              "schedule() and update_from_output()): run vLLM with --no-async-scheduling")
+        parts = build(cfg)
+        self.classes, self.default_class = parts.classes, parts.default_class
+        self.estimator, self.gain, self.policy = parts.estimator, parts.gain, parts.policy
+        self.mode = cfg.mode
+        self._views: dict[str, PolicyRequest] = {}
+        self._caps: dict[str, int] | None = None
+        self._last: tuple | None = None  # (t_end, prefills, decodes, sched_s, admitted) of the step in flight
+        self._plan_record: dict | None = None
+        self.last_info = None      # ScheduleInfo of the latest plan
+        self.steps = 0
+        self._record = open(cfg.record_steps, "a", buffering=1) if cfg.record_steps else None
+        from . import sched_metrics
+        self.metrics = sched_metrics.for_policy(cfg.local_policy)
+        logger.info("ProServe scheduler: policy=%s mode=%s classes=%s", cfg.local_policy, cfg.mode,
+                    ",".join(self.classes))
+
+    # -- requests in and out -------------------------------------------------------
+    def add_request(self, request) -> None:
+        if request.request_id not in self.requests:
+            try:
+                p = parse(request.sampling_params.extra_args if request.sampling_params else None,
+                          self.classes, self.default_class)
+            except ParamsError as e:
+                # the API server's validator rejects these before they get here; a
+                # request submitted around it is served in the default class, loudly
+                logger.error("request %s: %s; scheduling it in class %r", request.request_id, e,
+                             self.default_class)
+                p = parse(None, self.classes, self.default_class)
+            self._views[request.request_id] = PolicyRequest(
+                id=request.request_id, priority=p.priority, weight=p.weight, ttft_slo=p.ttft_slo,
+                tpot_slo=p.tpot_slo, arrival=p.arrival_time if p.arrival_time is not None else request.arrival_time,
+                prompt_len=request.num_prompt_tokens, prefill_len=request.num_prompt_tokens)
+        super().add_request(request)
+
+    def finish_requests(self, request_ids, finished_status):
+        out = super().finish_requests(request_ids, finished_status)
+        for r in out:
+            self._views.pop(r.request_id, None)
+        return out
+
+    # -- the view the policy sees ------------------------------------------------------
+    def _sync(self, req) -> PolicyRequest | None:
+        """Refresh the policy's copy of a vLLM request; None if it cannot be scheduled now."""
+        v = self._views.get(req.request_id)
+        if v is None or req.status not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+            return None
+        done = req.num_computed_tokens
+        n_out = req.num_output_tokens
+        if n_out == 0 or req.num_tokens - done > 1:
+            # prompt (or, after a recompute preemption, prompt + outputs) still to prefill
+            v.prefill_len = req.num_tokens if n_out else req.num_prompt_tokens
+            v.phase = Phase.PREFILLING if done else Phase.WAITING
+        else:
+            v.prefill_len = done
+            v.phase = Phase.DECODING
+        v.prefilled = done
+        v.kv_len = done
+        return v
+
+    def _view(self, now: float) -> InstanceView:
+        waiting, decoding = [], []
+        for q in (self.running, self.kv_holding_waiting, self.waiting):
+            for req in q:
+                v = self._sync(req)
+                if v is None:
+                    continue
+                (waiting if v.needs_prefill else decoding).append(v)
+        return InstanceView(now=now, waiting=waiting, decoding=decoding,
+                            free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                            block_size=self.block_size, mode=self.mode)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        if self.policy is None:
+            out = super().schedule(*args, **kwargs)
+        else:
+            out = self._schedule_planned(*args, **kwargs)
+        t1 = time.perf_counter()
+        self._remember(out, t1, t1 - t0)
+        return out
+
+    def _schedule_planned(self, *args, **kwargs):
+        now = time.time()
+        view = self._view(now)
+        plan = self.policy.schedule(view)
+        self.last_info = plan.info
+        if self._record is not None:
+            self._plan_record = {
+                "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
+                "est": plan.info.est_time, "now": now,
+                "items": [[r.id, n, bool(r.urgent)] for r, n in plan.prefill] + [[r.id, 1, bool(r.urgent)]
+                                                                                for r in plan.decode]}
+        caps = {r.id: n for r, n in plan.prefill}
+        for r in plan.decode:
+            caps[r.id] = 1
+        if self.mode == PREFILL_ONLY:
+            # φ_p plans prefills only; a request that was sent here with max_tokens > 1
+            # still decodes, riding along one token per step
+            for r in view.decoding:
+                caps.setdefault(r.id, 1)
+        order = [r.id for r, _ in plan.prefill] + [r.id for r in plan.decode]
+        saved = self.waiting, self.kv_holding_waiting
+        self.waiting = self._planned_queue(saved[0], caps, order)
+        self.kv_holding_waiting = self._planned_queue(saved[1], caps, order)
+        self._caps = caps
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self._caps = None
+            # what the step did not take (and anything preempted into the temporary
+            # queues) goes back in front of the requests the plan left out
+            for tmp, orig in ((self.waiting, saved[0]), (self.kv_holding_waiting, saved[1])):
+                if tmp:
+                    orig.prepend_requests(list(tmp))
+            self.waiting, self.kv_holding_waiting = saved
+        info = plan.info
+        if not plan.empty:
+            self.metrics.plan(info, self.estimator.beta)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %d: beta=%.3f t_budget=%.4f urgent=%d normal=%d planned=%d tokens est=%.4fs",
+                         self.steps, self.estimator.beta, info.t_budget, info.n_urgent, info.n_normal,
+                         plan.num_tokens, info.est_time)
+        return out
+
+    @staticmethod
+    def _planned_queue(queue, caps: dict[str, int], order: list[str]):
+        """Move the planned requests of ``queue`` into a new queue, in plan order."""
+        if not queue:
+            return create_request_queue(SchedulingPolicy.FCFS)
+        planned = {req.request_id: req for req in queue if req.request_id in caps}
+        tmp = create_request_queue(SchedulingPolicy.FCFS)
+        if planned:
+            queue.remove_requests(list(planned.values()))
+            for rid in order:
+                req = planned.get(rid)
+                if req is not None:
+                    tmp.add_request(req)
+        return tmp
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        # the last per-request clamp of vLLM's schedule(): apply the plan's chunk here
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if self._caps is None:
+            return n
+        return min(n, self._caps.get(request.request_id, 0))
+
+    def _remember(self, out, t_end: float, sched_s: float) -> None:
+        """Note the batch vLLM actually scheduled, for β and the step record."""
+        self.steps += 1
+        if out.total_num_scheduled_tokens <= 0:
+            self._last = None
+            return
+        prefills, decodes = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            l_kv = req.num_computed_tokens - n   # vLLM advanced it by n in schedule()
+            if n == 1 and l_kv >= req.num_prompt_tokens:
+                decodes.append(l_kv)
+            else:
+                prefills.append((n, l_kv))
+        # requests vLLM admitted this step, in admission order: [id, class, prompt length, chunk]
+        admitted = []
+        for new in out.scheduled_new_reqs:
+            v = self._views.get(new.req_id)
+            req = self.requests.get(new.req_id)
+            admitted.append([new.req_id, v.priority if v else None, req.num_prompt_tokens if req else None,
+                             out.num_scheduled_tokens.get(new.req_id, 0)])
+        self._last = (t_end, prefills, decodes, sched_s, admitted)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        t_real_end = time.perf_counter()
+        last, self._last = self._last, None
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.time()
+        if last is not None:
+            t_end, prefills, decodes, sched_s, admitted = last
+            t_real = t_real_end - t_end
+            est_raw = self.estimator.model.batch_time(prefills, decodes)
+            beta_before = self.estimator.beta
+            beta = self.estimator.corrector.observe(t_real, est_raw, now)
+            self.metrics.step(t_real, est_raw * beta_before, beta, sched_s)
+            if self._record is not None:
+                self._record.write(json.dumps({
+                    "step": self.steps, "prefills": prefills, "decodes": decodes, "time": t_real,
+                    "sched_s": sched_s, "est": est_raw * beta_before, "beta": beta,
+                    "waiting": len(self.waiting) + len(self.kv_holding_waiting), "admitted": admitted,
+                    "plan": self._plan_record}) + "\n")
+        # token timestamps (the deadlines of Eq. 3 count emitted tokens) and finished requests
+        for rid in scheduler_output.num_scheduled_tokens:
+            v = self._views.get(rid)
+            if v is None:
+                continue
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                self._views.pop(rid, None)
+                continue
+            while len(v.token_times) < req.num_output_tokens:
+                v.token_times.append(now)
+        return outputs
+
+    def shutdown(self) -> None:
+        if self._record is not None:
+            self._record.close()
+            self._record = None
+        super().shutdown()

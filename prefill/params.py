@@ -1,0 +1,143 @@
+"""Per-request scheduling parameters: priority class, weight, SLOs.
+
+They travel with the request in vLLM's sampling-params extra args — the
+``vllm_xargs`` object of an OpenAI-API request body::
+
+    {"prompt": [...], "max_tokens": 64,
+     "vllm_xargs": {"priority_class": "high", "ttft_slo": 0.5, "tpot_slo": 0.05}}
+
+=================  ======================================================  =========
+key                meaning                                                 default
+=================  ======================================================  =========
+priority_class     name of a configured class (``high``/``low`` unless     the
+                   ``--classes`` says otherwise)                            default class
+weight             w_{p(r)} (> 0)                                          the class's
+ttft_slo           TTFT SLO in seconds (> 0)                               the class's
+tpot_slo           TPOT SLO in seconds (> 0)                               the class's
+arrival_time       when the request reached the system (Unix seconds),     engine arrival
+                   e.g. the dispatcher's clock; deadlines count from it
+=================  ======================================================  =========
+
+:func:`parse` is the one place these are read and checked. The engine calls it
+twice: in the API server, before the request is queued (through
+:class:`ParamsValidator`, vLLM's hook for validating extra args: a
+``ValueError`` there becomes an HTTP 400 naming the field), and in the
+scheduler plugin when the request arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from scheduler.config import classes_from_dicts, default_classes
+from scheduler.request import ConfigError, PriorityClass
+
+KEYS = ("priority_class", "weight", "ttft_slo", "tpot_slo", "arrival_time")
+#: environment variable through which the worker hands the class table to the
+#: API-server process (the validator has no access to the engine config)
+CLASSES_ENV = "PROSERVE_CLASSES"
+DEFAULT_CLASS_ENV = "PROSERVE_DEFAULT_CLASS"
+
+
+class ParamsError(ValueError):
+    """A request's scheduling parameters are invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    priority: str
+    weight: float
+    ttft_slo: float
+    tpot_slo: float
+    arrival_time: float | None = None
+
+
+def _number(key: str, v: Any, positive: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        # the OpenAI server passes vllm_xargs values through as JSON types; accept numeric strings too
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise ParamsError(f"vllm_xargs.{key} must be a number, got {v!r}") from None
+    v = float(v)
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ParamsError(f"vllm_xargs.{key} must be a {'positive ' if positive else ''}finite number, got {v!r}")
+    return v
+
+
+def parse(extra_args: Mapping[str, Any] | None, classes: Mapping[str, PriorityClass],
+          default_class: str) -> RequestParams:
+    """Resolve a request's class, weight and SLOs; raise :class:`ParamsError` naming the bad field."""
+    xa = extra_args or {}
+    name = xa.get("priority_class", default_class)
+    if not isinstance(name, str) or name not in classes:
+        raise ParamsError(f"vllm_xargs.priority_class: unknown class {name!r}; "
+                          f"configured classes: {', '.join(sorted(classes))}")
+    pc = classes[name]
+    weight = _number("weight", xa["weight"]) if "weight" in xa else pc.weight
+    ttft = _number("ttft_slo", xa["ttft_slo"]) if "ttft_slo" in xa else pc.ttft_slo
+    tpot = _number("tpot_slo", xa["tpot_slo"]) if "tpot_slo" in xa else pc.tpot_slo
+    arrival = _number("arrival_time", xa["arrival_time"]) if "arrival_time" in xa else None
+    return RequestParams(name, weight, ttft, tpot, arrival)
+
+
+def classes_to_env(classes: Mapping[str, PriorityClass]) -> str:
+    return json.dumps([{"name": c.name, "weight": c.weight, "ttft_slo": c.ttft_slo, "tpot_slo": c.tpot_slo}
+                       for c in classes.values()])
+
+
+def classes_from_env() -> tuple[dict[str, PriorityClass], str]:
+    """The class table and default class the worker put in the environment (or the defaults)."""
+    raw = os.environ.get(CLASSES_ENV)
+    classes = classes_from_dicts(json.loads(raw), CLASSES_ENV) if raw else default_classes()
+    default = os.environ.get(DEFAULT_CLASS_ENV) or default_class_of(classes)
+    if default not in classes:
+        raise ConfigError(f"{DEFAULT_CLASS_ENV}={default!r} is not a configured class")
+    return classes, default
+
+
+def default_class_of(classes: Mapping[str, PriorityClass]) -> str:
+    """Requests that name no class get the lowest-weight one: an untagged client is
+    never served ahead of one that paid for priority."""
+    return min(classes.values(), key=lambda c: c.weight).name
+
+
+try:  # the validator is a vLLM plugin; the parsing above must work without vLLM
+    from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessor
+except Exception:  # pragma: no cover - vLLM absent
+    _LogitsProcessor = object
+
+
+class ParamsValidator(_LogitsProcessor):
+    """Rejects bad ``vllm_xargs`` in the API server, before the request is queued.
+
+    vLLM calls ``validate_params`` of every registered logits processor while
+    processing a request's input; a ``ValueError`` becomes HTTP 400 with the
+    message. The processor itself never changes logits (``apply`` returns them
+    unchanged, and it declares itself argmax-invariant so vLLM skips it for
+    greedy batches).
+    """
+
+    _table: tuple[dict[str, PriorityClass], str] | None = None
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        if cls._table is None:
+            cls._table = classes_from_env()
+        parse(getattr(sampling_params, "extra_args", None), *cls._table)
+
+    def __init__(self, vllm_config=None, device=None, is_pin_memory=False):
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+    def apply(self, logits):
+        return logits
