@@ -57,7 +57,9 @@ class RequestParams:
 
 
 def _number(key: str, v: Any, positive: bool = True) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool):
+        raise ParamsError(f"vllm_xargs.{key} must be a number, got {v!r}")
+    if not isinstance(v, (int, float)):
         # the OpenAI server passes vllm_xargs values through as JSON types; accept numeric strings too
         try:
             v = float(v)

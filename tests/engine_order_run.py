@@ -1,0 +1,58 @@
+"""Drive one real vLLM engine with the ProServe scheduler plugin through the
+admission-order scenarios of ``test_engine_scheduler.py`` and print what it did.
+
+Run as a subprocess (vLLM spawns processes; the engine core runs in-process here,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that every request of a scenario is
+queued before the first step is scheduled)::
+
+    python tests/engine_order_run.py SCENARIOS.json RECORD.jsonl LATENCY_MODEL.json
+
+SCENARIOS.json: ``[{"name", "requests": [{"tag", "prompt_len", "priority_class",
+"ttft_slo", "age"}]}]`` where ``age`` is how many seconds before submission the
+request "arrived" (sent as ``vllm_xargs.arrival_time``). Prints one JSON line per
+scenario: ``{"name", "submitted_at", "ids": {tag: engine request id}}``; the
+plugin's step records (admission order, plans) go to RECORD.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    scenarios = json.load(open(sys.argv[1]))
+    record, model = sys.argv[2], sys.argv[3]
+    tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "prefill", "models", "tiny-llama")
+    llm = LLM(model=tiny, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, block_size=32,
+              dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=16384, max_num_seqs=64,
+              enable_prefix_caching=False,
+              scheduler_cls="prefill.engine_scheduler.ProServeScheduler",
+              logits_processors=["prefill.params:ParamsValidator"],
+              additional_config={"proserve": {"local_policy": "slide_batching", "mode": "prefill_only",
+                                              "latency_model": model, "record_steps": record}})
+    rng = random.Random(0)
+    for sc in scenarios:
+        reqs = sc["requests"]
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1, 1000) for _ in range(r["prompt_len"])])
+                   for r in reqs]
+        now = time.time()
+        params = [SamplingParams(max_tokens=1, ignore_eos=True, extra_args={
+            "priority_class": r["priority_class"], "ttft_slo": r["ttft_slo"], "arrival_time": now - r["age"]})
+            for r in reqs]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        ids = {r["tag"]: o.request_id for r, o in zip(reqs, outs)}
+        print(json.dumps({"name": sc["name"], "submitted_at": now, "ids": ids}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
