@@ -248,7 +248,7 @@ class ProServeScheduler(Scheduler):
             self.metrics.step(t_real, est_raw * beta_before, beta, sched_s)
             if self._record is not None:
                 self._record.write(json.dumps({
-                    "step": self.steps, "prefills": prefills, "decodes": decodes, "time": t_real,
+                    "step": self.steps, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
                     "sched_s": sched_s, "est": est_raw * beta_before, "beta": beta,
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting), "admitted": admitted,
                     "plan": self._plan_record}) + "\n")
