@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
@@ -50,6 +51,7 @@ from .engine_config import EngineConfig, build
 from .params import ParamsError, parse
 
 logger = logging.getLogger("proserve.scheduler")
+_SCHEDULABLE = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 class ProServeScheduler(Scheduler):
@@ -106,7 +108,7 @@ class ProServeScheduler(Scheduler):
     def _sync(self, req) -> PolicyRequest | None:
         """Refresh the policy's copy of a vLLM request; None if it cannot be scheduled now."""
         v = self._views.get(req.request_id)
-        if v is None or req.status not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+        if v is None or req.status not in _SCHEDULABLE:
             return None
         done = req.num_computed_tokens
         n_out = req.num_output_tokens
@@ -176,7 +178,8 @@ class ProServeScheduler(Scheduler):
             # queues) goes back in front of the requests the plan left out
             for tmp, orig in ((self.waiting, saved[0]), (self.kv_holding_waiting, saved[1])):
                 if tmp:
-                    orig.prepend_requests(list(tmp))
+                    # FCFS prepend_requests reverses its argument (it is extendleft)
+                    orig.prepend_requests(reversed(list(tmp)) if isinstance(orig, deque) else list(tmp))
             self.waiting, self.kv_holding_waiting = saved
         info = plan.info
         if not plan.empty:
@@ -189,17 +192,27 @@ class ProServeScheduler(Scheduler):
 
     @staticmethod
     def _planned_queue(queue, caps: dict[str, int], order: list[str]):
-        """Move the planned requests of ``queue`` into a new queue, in plan order."""
-        if not queue:
-            return create_request_queue(SchedulingPolicy.FCFS)
-        planned = {req.request_id: req for req in queue if req.request_id in caps}
+        """Move the planned requests of ``queue`` into a new queue, in plan order,
+        followed by the blocked ones (waiting for remote KV or a grammar): vLLM's
+        loop is what notices they became ready, so it must still see them."""
         tmp = create_request_queue(SchedulingPolicy.FCFS)
-        if planned:
-            queue.remove_requests(list(planned.values()))
-            for rid in order:
-                req = planned.get(rid)
-                if req is not None:
-                    tmp.add_request(req)
+        if not queue:
+            return tmp
+        planned, blocked = {}, []
+        for req in queue:
+            if req.request_id in caps:
+                planned[req.request_id] = req
+            elif req.status not in _SCHEDULABLE:
+                blocked.append(req)
+        if not planned and not blocked:
+            return tmp
+        queue.remove_requests(list(planned.values()) + blocked)
+        for rid in order:
+            req = planned.get(rid)
+            if req is not None:
+                tmp.add_request(req)
+        for req in blocked:
+            tmp.add_request(req)
         return tmp
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
