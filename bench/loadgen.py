@@ -35,7 +35,10 @@ What one run does:
 5. **Results**: every request ends with a :class:`Result` — its token times,
    or an error (HTTP status and the server's message, a transport exception,
    a stream that ended early, an error event, or a token count that differs
-   from ``max_tokens`` or from the final ``usage``). Nothing is dropped: errors
+   from ``max_tokens`` or from the final ``usage``). Note that vLLM answers a
+   *streamed* request whose parameters it rejects with HTTP 200 and an error
+   event carrying the 400 (``error event: (400) vllm_xargs...``); unstreamed,
+   the same request gets HTTP 400. Nothing is dropped: errors
    are counted per class in the summary. Malformed SSE data lines are counted
    per request; they make the request an error only if tokens went missing.
 6. **Metrics**: results become :class:`scheduler.request.Request` objects
@@ -296,7 +299,8 @@ def parse_chunk(data: str, token_ids: bool = True) -> Chunk:
     if "error" in obj and obj["error"]:
         err = obj["error"]
         msg = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
-        return Chunk(error=str(msg))
+        code = err.get("code") if isinstance(err, dict) else None
+        return Chunk(error=f"({code}) {msg}" if code is not None else str(msg))
     out = Chunk()
     usage = obj.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

@@ -136,7 +136,7 @@ def test_parse_chunk_cases():
     assert lg.parse_chunk('{"id": "x"}').malformed
     assert lg.parse_chunk('{"choices": 5}').malformed
     e = lg.parse_chunk('{"error": {"message": "boom", "code": 500}}')
-    assert e.error == "boom" and e.tokens == 0
+    assert e.error == "(500) boom" and e.tokens == 0
     assert lg.parse_chunk('{"error": "plain"}').error == "plain"
     # text-only streams: one token per non-empty text chunk
     assert lg.parse_chunk('{"choices":[{"index":0,"text":"ab"}]}').tokens == 1
@@ -345,7 +345,7 @@ def test_replay_accounts_every_failure_per_class():
 
 @pytest.mark.parametrize("mode,expect", [
     ("cut", "got 2 of 5 tokens"),
-    ("error_event", "error event: engine died"),
+    ("error_event", "error event: (500) engine died"),
 ])
 def test_replay_broken_streams_are_errors(mode, expect):
     reqs = [req(0, "high", 0.0, output=5)]
