@@ -17,7 +17,7 @@ from scheduler.request import ConfigError
 from . import grid as gridmod
 from . import modelfile
 from .fit import FitError, aggregate, fit, format_report, plot
-from .record import Measurement, RecordError, read_samples, write_samples
+from .record import Measurement, RecordError, load_samples, write_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "prefill" / "models" / "tiny-llama"
@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "cached prefixes are multiples of it")
     e.add_argument("--max-model-len", type=int, default=2048,
                    help="context length (default 2048); the built-in grids scale with it")
-    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the model eagerly, no torch.compile (default: on; profile the way you serve)")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the model eagerly, without torch.compile (default: off, vLLM's default and how "
+                        "`python -m prefill` serves; profile the way you serve)")
     e.add_argument("--kv-cache-gib", type=int, default=1,
                    help="cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, default 1)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None, help="cuda/npu: vLLM's memory share")
@@ -231,15 +232,18 @@ def main(argv: list[str] | None = None) -> int:
                           "to update_from_output()"}
     try:
         if args.from_samples:
-            measurements = read_samples(args.from_samples)
-            meta["from_samples"] = str(args.from_samples)
+            header, measurements = load_samples(args.from_samples)
+            # a refit describes the same engine run: keep its description, note the refit
+            meta = {**header, **meta, "from_samples": str(args.from_samples)}
+            if "command" in header:
+                meta.update(profile_command=header["command"], profile_date=header.get("date"))
         else:
             measurements, facts = profile(args, points)
             meta.update(model=_shown(args.model), device=args.device, dtype=args.dtype, block_size=args.block_size,
                         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, grid=args.grid,
                         grid_points=len(points), repeats=args.repeats, **facts)
             if args.samples:
-                write_samples(args.samples, measurements)
+                write_samples(args.samples, measurements, header=meta)
         samples = aggregate(measurements)
         meta["n_measurements"] = _count(measurements)
         meta["n_samples"] = len(samples)
@@ -258,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(result))
     print(f"wrote {args.out}" + (f" and {args.samples}" if args.samples and not args.from_samples else ""))
     if args.plots:
-        title = (f"refit from {Path(args.from_samples).name}" if args.from_samples else
-                 f"{Path(args.model).name} on {args.device}, {args.dtype}")
+        title = (f"{Path(str(meta['model'])).name} on {meta.get('device')}, {meta.get('dtype')}"
+                 if "model" in meta else f"refit from {Path(args.from_samples).name}")
         paths = plot(result, args.plots, title)
         print("plots: " + ", ".join(str(p) for p in paths))
     print(json.dumps({"train_mape": meta["train_mape"], "holdout_mape": meta["holdout_mape"],

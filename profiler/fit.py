@@ -234,8 +234,9 @@ def plot(result: FitResult, out_dir: str | Path, title: str = "") -> list[Path]:
         ax.plot([lo, hi], [lo / 1.1, hi / 1.1], color="gray", lw=0.7, ls="--")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        subs = (1.0, 2.0, 3.0, 5.0) if hi / lo < 30 else (1.0, 2.0, 5.0) if hi / lo < 300 else (1.0, 3.0)
         for axis in (ax.xaxis, ax.yaxis):   # plain numbers, no crowded minor labels
-            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+            axis.set_major_locator(LogLocator(base=10, subs=subs))
             axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             axis.set_minor_formatter(NullFormatter())
         ax.set_xlim(lo, hi)

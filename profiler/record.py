@@ -14,7 +14,8 @@ before and after the mixed step) and ``unexpected`` (anything else, e.g. a
 request that reached the engine one step late): only ``used`` steps are fit.
 
 :class:`Measurement` is one classified step; ``--samples`` files hold one per
-line and ``--from-samples`` reads them back. Everything here is pure apart
+line after a header line describing the run, and ``--from-samples`` reads
+them back. Everything here is pure apart
 from reading and writing those files.
 """
 
@@ -227,19 +228,40 @@ def measurement_from_json(line: str, where: str) -> Measurement:
     return Measurement(d["point"], repeat, d["status"], prefills, decodes, _time(d, where), int(d.get("step", 0)))
 
 
-def read_samples(path: str | Path) -> list[Measurement]:
+def load_samples(path: str | Path) -> tuple[dict, list[Measurement]]:
+    """A --samples file: (the run's description from its header line, the measurements)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise RecordError(f"{p}: cannot read ({e.strerror})") from None
-    out = [measurement_from_json(line, f"{p}:{i}") for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    header: dict = {}
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if i == 1 and line.startswith('{"profile"'):
+            try:
+                header = json.loads(line)["profile"]
+            except (json.JSONDecodeError, TypeError) as e:
+                raise RecordError(f"{p}:1: malformed header line ({e})") from None
+            if not isinstance(header, dict):
+                raise RecordError(f"{p}:1: 'profile' must be an object")
+            continue
+        out.append(measurement_from_json(line, f"{p}:{i}"))
     if not out:
         raise RecordError(f"{p}: no samples")
-    return out
+    return header, out
 
 
-def write_samples(path: str | Path, measurements: Iterable[Measurement]) -> None:
+def read_samples(path: str | Path) -> list[Measurement]:
+    return load_samples(path)[1]
+
+
+def write_samples(path: str | Path, measurements: Iterable[Measurement], header: dict | None = None) -> None:
+    """One measurement per line, after a ``{"profile": {...}}`` line describing the run
+    (model, device, engine settings, grid, command), which a refit carries over."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text("".join(m.to_json() + "\n" for m in measurements))
+    head = json.dumps({"profile": header}, sort_keys=True) + "\n" if header else ""
+    p.write_text(head + "".join(m.to_json() + "\n" for m in measurements))

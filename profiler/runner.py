@@ -55,7 +55,7 @@ class EngineSettings:
     dtype: str = "bfloat16"
     block_size: int = 128
     max_model_len: int = 2048
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     skip_tokenizer_init: bool = True
     kv_cache_gib: int = 1
     gpu_memory_utilization: float | None = None
@@ -143,7 +143,32 @@ class Runner:
         for var in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
             if var in os.environ:
                 facts[var] = os.environ[var]
+        facts.update(self._kv_facts())
         return facts
+
+    def _kv_facts(self) -> dict:
+        """KV memory of this engine, in the metadata keys the simulator reads
+        (``kv_bytes_per_token`` for KV transfer times, ``num_kv_blocks`` per instance)."""
+        import torch
+
+        cfg = self.engine.vllm_config
+        mc, pc, cc = cfg.model_config, cfg.parallel_config, cfg.cache_config
+        out: dict = {}
+        try:
+            dtype = mc.dtype if cc.cache_dtype in (None, "auto") else getattr(torch, str(cc.cache_dtype), mc.dtype)
+            per_token = (2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
+                         * torch.empty((), dtype=dtype).element_size())
+            out["kv_bytes_per_token"] = int(per_token)
+        except Exception as e:  # noqa: BLE001 - a fact for the metadata, not needed to profile
+            self.log(f"warning: KV bytes per token unknown ({e})")
+            return out
+        blocks = cc.num_gpu_blocks
+        if not blocks and self.s.device == "cpu":
+            blocks = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", self.s.kv_cache_gib)) * 2**30
+                         // (per_token * self.s.block_size))
+        if blocks:
+            out["num_kv_blocks"] = int(blocks)
+        return out
 
     # -- requests ---------------------------------------------------------------------------------
     def _tokens(self, n: int) -> list[int]:
