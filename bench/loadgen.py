@@ -49,6 +49,14 @@ What one run does:
    it got (they count for TDG if on time) but is not finished, so it fails
    its SLO.
 
+Client health: the summary reports the send lag (actual − scheduled send)
+and the client's own event-loop stalls longer than 50 ms. Both should be ~0;
+if not, the client was starved of CPU and its timestamps measure itself, not
+the server. Measured here: with the kernel's autogroup scheduling, a client
+sharing a core with a vLLM server started in *another session* (e.g. with
+``setsid``) stalled for up to 0.3-0.6 s at a time; in the same session it did
+not.
+
 Times: the run clock is ``time.perf_counter()`` minus the run start; ``arrival``
 and ``token_times`` in the JSONL are seconds from the run start, and the
 summary records the run start in Unix seconds.
@@ -402,8 +410,10 @@ def error_counts(results: Iterable[Result]) -> dict[str, dict]:
     return out
 
 
-def summarize_run(reqs: Sequence[Request], results: Sequence[Result], gain: GainConfig) -> dict:
-    """Metrics per class (``summarize``), error counts, send lag and malformed chunks."""
+def summarize_run(reqs: Sequence[Request], results: Sequence[Result], gain: GainConfig,
+                  stalls: Sequence[float] = ()) -> dict:
+    """Metrics per class (``summarize``), error counts, send lag, malformed chunks and the
+    client's own event-loop stalls (``Run.stalls``)."""
     by_id = {r.id: r for r in results}
     missing = [q.id for q in reqs if q.id not in by_id]
     if missing:
@@ -419,6 +429,8 @@ def summarize_run(reqs: Sequence[Request], results: Sequence[Result], gain: Gain
         "gain": {"w_p": gain.w_p, "w_d": gain.w_d, "deadline": gain.deadline},
         "send_lag_s": {"p50": _pct(lags, 50), "p99": _pct(lags, 99), "max": max(lags) if lags else None},
         "malformed_chunks": sum(r.malformed for r in results),
+        "client_stalls": {"count": len(stalls), "max_s": max(stalls) if stalls else 0.0,
+                          "over_s": STALL_S},
     }
 
 
@@ -517,6 +529,21 @@ class Run:
     results: list[Result]
     t0_unix: float      # Unix time of the run clock's 0
     wall_s: float       # first send → last result
+    stalls: list[float] = field(default_factory=list)   # event-loop stalls > STALL_S (s), see _watch_loop
+
+
+#: an event-loop stall longer than this is recorded: the client itself was late, so
+#: send times and token timestamps around it are the client's, not the server's
+STALL_S = 0.05
+
+
+async def _watch_loop(stop: asyncio.Event, stalls: list[float], period: float = 0.01) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        late = time.perf_counter() - t - period
+        if late > STALL_S:
+            stalls.append(late)
 
 
 async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> Run:
@@ -565,10 +592,16 @@ async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> R
     # got "Connection reset by peer" right at its send, with nothing in the server log: most
     # likely a pooled connection the server (uvicorn: 5 s keep-alive) was closing meanwhile.
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        results = await asyncio.gather(*(send(i) for i in range(len(reqs))))
+    stop, stalls = asyncio.Event(), []
+    watcher = asyncio.create_task(_watch_loop(stop, stalls))
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            results = await asyncio.gather(*(send(i) for i in range(len(reqs))))
+    finally:
+        stop.set()
+        await watcher
     wall = clock() - (offsets[0] if offsets else 0.0)
-    return Run(list(results), t0_unix, wall)
+    return Run(list(results), t0_unix, wall, stalls)
 
 
 # --- tables ------------------------------------------------------------------------------
@@ -590,8 +623,10 @@ def format_summary(summary: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lag = summary["send_lag_s"]
+    st = summary.get("client_stalls", {})
     lines.append(f"send lag p50 {_ms(lag['p50'])} p99 {_ms(lag['p99'])} max {_ms(lag['max'])}; "
-                 f"malformed SSE chunks: {summary['malformed_chunks']}")
+                 f"client event-loop stalls > {_ms(st.get('over_s', STALL_S))}: {st.get('count', 0)} "
+                 f"(max {_ms(st.get('max_s', 0.0))}); malformed SSE chunks: {summary['malformed_chunks']}")
     for name, e in summary["errors"].items():
         if name != "all" and e["errors"]:
             lines.append(f"errors[{name}]: " + "; ".join(f"{n}× {k}" for k, n in e["by_error"].items()))
@@ -748,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = summarize_run(reqs, run.results, gain)
+    summary = summarize_run(reqs, run.results, gain, run.stalls)
     print(format_summary(summary))
     print(f"{len(reqs)} requests in {run.wall_s:.1f} s")
     if args.out:

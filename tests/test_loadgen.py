@@ -247,6 +247,8 @@ class Fake:
                                                 "code": 400}}, status=400)
         if mode == "hang":
             await asyncio.sleep(5)
+        if mode == "block":
+            time.sleep(0.2)   # blocks the event loop the client shares with this server
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
 
@@ -404,3 +406,18 @@ def test_cli_writes_outputs(tmp_path):
     assert s["metrics"]["all"]["requests"] == 6 and s["errors"]["all"]["errors"] == 0
     assert not math.isnan(s["metrics"]["all"]["tdg_ratio"])
     assert lg.main(["--url", "http://127.0.0.1:1", "--class-body", "gold"]) == 2
+
+
+def test_replay_records_client_event_loop_stalls():
+    reqs = [req(0, "high", 0.0), req(1, "low", 0.3)]
+
+    async def go(url):
+        return await lg.replay(reqs, lg.ClientConfig(url, model="m", class_body=_modes({"low": "block"})))
+
+    _, run = asyncio.run(_with_fake(go))
+    assert all(r.ok for r in run.results)
+    assert len(run.stalls) == 1 and 0.15 < run.stalls[0] < 0.5
+    s = lg.summarize_run(reqs, run.results, GainConfig(), run.stalls)
+    assert s["client_stalls"]["count"] == 1 and s["client_stalls"]["max_s"] == run.stalls[0]
+    assert "event-loop stalls > 50.0 ms: 1" in lg.format_summary(s)
+    assert lg.summarize_run(reqs, run.results, GainConfig())["client_stalls"]["count"] == 0
