@@ -69,7 +69,10 @@ was measured with):
   (TTFT p99 > 1 s) while at 0.35× it does not.
 * **Latency model**: the plugin's default (profiler/models/tiny-llama-cpu.json)
   or ``--latency-model``; stock engines load it too but only for β
-  bookkeeping.
+  bookkeeping. Its coefficients at the start of the run go into results.json.
+* **Client health**: the engine stays in this process's session (see
+  :class:`Engine`); every run reports the load generator's send lag and
+  event-loop stalls, which should be ~0.
 
 Outputs (``--out``, default out/engine_policies): ``<policy>/rate<r>/``
 requests.jsonl + summary.json (bench.loadgen), ``<policy>/steps.jsonl``

@@ -713,7 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.loadgen",
         description="Replay a workload against an OpenAI-compatible /v1/completions endpoint (streaming), "
                     "timestamp every token, and report TDG_Ratio, SLO attainment, TTFT/TPOT percentiles and "
-                    "errors per priority class (scheduler.tdg.summarize, as the simulator).")
+                    "errors per priority class (scheduler.tdg.summarize, as the simulator). Exit status: 0, "
+                    "1 if any request ended in an error, 2 for a bad flag.")
     ap.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8100 (or .../v1)")
     ap.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")
     ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
