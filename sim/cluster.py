@@ -218,7 +218,7 @@ class Simulator:
         inst = self.front[p.id]
         need = math.ceil((r.prompt_len + 1) / self.block_size)
         if need > inst.total_blocks:
-            self._fail(r, f"prompt of {r.prompt_len} tokens exceeds the KV capacity of an instance")
+            self._fail(r, f"prompt of {r.prompt_len} tokens exceeds the KV capacity of an instance", now)
             return
         r.instance = p.id
         self.qmap.add(p.id, r, now)
@@ -227,9 +227,18 @@ class Simulator:
         inst.waiting.append(r)
         self._wake(inst, now)
 
-    def _fail(self, r: Request, why: str) -> None:
+    def _fail(self, r: Request, why: str, now: float) -> None:
         r.error = why
         r.phase = Phase.DONE
+        self._finished(r, now)
+
+    def _finished(self, r: Request, now: float) -> None:
+        """``r`` emitted its last token (or failed): tell the policies that learn from it."""
+        if r.instance is not None:
+            pol = self.front[r.instance].policy
+            if pol is not None:
+                pol.on_request_finished(r, now)
+        self.router.on_request_finished(r, now)
 
     def _wake(self, inst: _Instance, now: float) -> None:
         """New work for ``inst``: start a step if idle, or cut a macro-step short."""
@@ -349,7 +358,7 @@ class Simulator:
             # nothing holds memory and still nothing fits
             r = inst.waiting.pop(0)
             self.qmap.remove(inst.id, r, now)
-            self._fail(r, "request does not fit in KV memory")
+            self._fail(r, "request does not fit in KV memory", now)
         else:
             return
         self._start_step(inst, now)
@@ -396,6 +405,7 @@ class Simulator:
             inst.free_blocks += inst.blocks_held(r)
             if inst.mode == COLOCATED:
                 self.qmap.decode_finished(inst.id)
+            self._finished(r, now)
         if inst.policy is not None:
             inst.policy.on_batch_done(plan, now)
         self._start_step(inst, now)
@@ -406,6 +416,7 @@ class Simulator:
         if inst.mode == COLOCATED:
             if r.phase is Phase.DONE:
                 inst.free_blocks += inst.blocks_held(r)
+                self._finished(r, now)
             else:
                 inst.decoding.append(r)
                 self.qmap.decode_started(inst.id)
@@ -413,6 +424,7 @@ class Simulator:
         # disaggregated: KV moves to the decode instance picked at dispatch
         if r.phase is Phase.DONE:
             inst.free_blocks += inst.blocks_held(r)
+            self._finished(r, now)
             return
         dec = self.decoders[self._decode_target[r.id]]
         self._kv_source[r.id] = inst  # its blocks are freed once the decode side has the KV
@@ -428,7 +440,7 @@ class Simulator:
             if need + len(dec.decoding) > dec.free_blocks:
                 if not dec.decoding and need > dec.total_blocks:
                     dec.pending_kv.pop(0)
-                    self._fail(r, "KV cache larger than a decode instance")
+                    self._fail(r, "KV cache larger than a decode instance", now)
                     continue
                 break
             dec.pending_kv.pop(0)

@@ -176,3 +176,25 @@ def test_decode_backpressure_stalls_prefill_without_failing():
     cfg = SimConfig(deployment="disaggregated", prefill_instances=2, decode_instances=1, num_kv_blocks=800)
     out = simulate(reqs, MODEL, cfg, gain_for(reqs))
     assert all(r.error is None and r.num_emitted == r.output_len for r in out.requests)
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
+def test_policies_hear_of_every_finished_request_once(deployment, monkeypatch):
+    """on_request_finished reaches the prefilling instance's policy and the router,
+    once per request, at its last token's time (policies that learn lengths need it)."""
+    from scheduler.local.slide_batching import SlideBatching
+    from scheduler.routing.round_robin import RoundRobin
+    seen_local, seen_global = [], []
+    monkeypatch.setattr(SlideBatching, "on_request_finished",
+                        lambda self, r, now: seen_local.append((r.id, now, r.num_emitted)), raising=False)
+    monkeypatch.setattr(RoundRobin, "on_request_finished",
+                        lambda self, r, now: seen_global.append(r.id), raising=False)
+    reqs = workload(120, 3.0)
+    cfg = SimConfig(deployment=deployment, local_policy="slide_batching", global_policy="round_robin",
+                    instances=2, prefill_instances=2, decode_instances=2)
+    simulate(reqs, MODEL, cfg, gain_for(reqs))
+    assert sorted(i for i, _, _ in seen_local) == sorted(r.id for r in reqs)
+    assert sorted(seen_global) == sorted(r.id for r in reqs)
+    by_id = {r.id: r for r in reqs}
+    for rid, now, n in seen_local:
+        assert n == by_id[rid].output_len and now == pytest.approx(by_id[rid].token_times[-1])

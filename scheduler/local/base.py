@@ -157,6 +157,12 @@ class LocalPolicy(ABC):
     def on_batch_done(self, plan: BatchPlan, now: float) -> None:
         """Called by the body after a planned batch ran (stateful policies override)."""
 
+    def on_request_finished(self, req: Request, now: float) -> None:
+        """Called by the body once ``req`` has emitted its last token or failed
+        (``req.error`` set), on the policy of the instance that prefilled it.
+        Policies that learn from completed requests (output-length quantiles,
+        latency tails) override this; ``req.num_emitted`` is its true length."""
+
     # -- helpers shared by policies ---------------------------------------------
     def min_tpot_slo(self) -> float:
         return min(c.tpot_slo for c in self.classes.values())

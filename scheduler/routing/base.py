@@ -111,6 +111,10 @@ class GlobalPolicy(ABC):
     def select_prefill(self, req: Request, prefills: Sequence[PrefillInstance], now: float) -> PrefillInstance:
         """Choose the prefill (or co-located) instance for ``req``."""
 
+    def on_request_finished(self, req: Request, now: float) -> None:
+        """Called once ``req`` has emitted its last token or failed; routers that learn
+        from completed requests override this."""
+
     def select_decode(self, req: Request, decodes: Sequence[DecodeInstance]) -> DecodeInstance:
         """LOADBALANCE(D) of Alg. 2 line 20: the decode instance with the most free blocks."""
         return max(decodes, key=lambda d: d.free_blocks)
