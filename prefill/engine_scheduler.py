@@ -100,9 +100,21 @@ class ProServeScheduler(Scheduler):
 
     def finish_requests(self, request_ids, finished_status):
         out = super().finish_requests(request_ids, finished_status)
+        now = time.time()
         for r in out:
-            self._views.pop(r.request_id, None)
+            # stop strings end requests here too (the front end detects them), not only aborts
+            self._finished(self._views.pop(r.request_id, None), now,
+                           aborted=finished_status == RequestStatus.FINISHED_ABORTED)
         return out
+
+    def _finished(self, v: PolicyRequest | None, now: float, aborted: bool = False) -> None:
+        """Tell the policy a request ended (policies that learn output lengths need it)."""
+        if v is None or self.policy is None:
+            return
+        v.phase = Phase.DONE
+        if aborted:
+            v.error = "aborted"
+        self.policy.on_request_finished(v, now)
 
     # -- the view the policy sees ------------------------------------------------------
     def _sync(self, req) -> PolicyRequest | None:
@@ -250,8 +262,23 @@ class ProServeScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         t_real_end = time.perf_counter()
         last, self._last = self._last, None
+        # vLLM drops finished requests from self.requests in update_from_output: hold on
+        # to them so that their last tokens are counted too
+        stepped = {rid: self.requests.get(rid) for rid in scheduler_output.num_scheduled_tokens}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         now = time.time()
+        # token timestamps (the deadlines of Eq. 3 count emitted tokens) and finished requests
+        finished = []
+        for rid, req in stepped.items():
+            v = self._views.get(rid)
+            if v is None:
+                continue
+            if req is not None:
+                while len(v.token_times) < req.num_output_tokens:
+                    v.token_times.append(now)
+            if req is None or req.is_finished():
+                finished.append([rid, len(v.token_times)])
+                self._finished(self._views.pop(rid, None), now)
         if last is not None:
             t_end, prefills, decodes, sched_s, admitted = last
             t_real = t_real_end - t_end
@@ -264,18 +291,7 @@ class ProServeScheduler(Scheduler):
                     "step": self.steps, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
                     "sched_s": sched_s, "est": est_raw * beta_before, "beta": beta,
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting), "admitted": admitted,
-                    "plan": self._plan_record}) + "\n")
-        # token timestamps (the deadlines of Eq. 3 count emitted tokens) and finished requests
-        for rid in scheduler_output.num_scheduled_tokens:
-            v = self._views.get(rid)
-            if v is None:
-                continue
-            req = self.requests.get(rid)
-            if req is None or req.is_finished():
-                self._views.pop(rid, None)
-                continue
-            while len(v.token_times) < req.num_output_tokens:
-                v.token_times.append(now)
+                    "finished": finished, "plan": self._plan_record}) + "\n")
         return outputs
 
     def shutdown(self) -> None:
