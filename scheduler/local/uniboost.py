@@ -54,8 +54,9 @@ Where the paper is inconsistent or silent, and what this module does:
   on — with the (β-corrected) latency model of ``scheduler.estimator``:
   ``x = T~_p(ŝ) + t_c`` for a prompt of ŝ tokens (Eq. 5 + t_c, one batch) and
   ``x = ŝ·(T~_d(l_prompt) + t_c)`` for ŝ decode tokens (ŝ decode steps, Eq. 6).
-  Prefill tokens are ~100× cheaper than decode tokens, so a single
-  tokens-to-seconds factor could not put both phases on one clock.
+  A prompt token costs an order of magnitude (CPU) to two (GPU) less than a
+  decode step, so a single tokens-to-seconds factor could not put both phases
+  on one clock.
   ``token_seconds=τ`` instead uses ``x = ŝ·τ`` for both phases (the paper's
   literal "tokens as time" reading when latencies are read in units of τ, e.g.
   τ = 1e-3 for milliseconds).
@@ -111,6 +112,10 @@ Parameters and defaults (``--local-param KEY=VALUE``):
 * ``token_seconds = None``: latency-model units (above); a number τ > 0 uses
   ``x = ŝ·τ``.
 * ``a_ref = "arrival"`` or ``"phase_entry"`` (first-token time for decodes).
+
+The plan's ``ScheduleInfo`` carries ``token_budget`` (c), ``n_urgent`` = queued
+requests pinned by MemGuard and ``n_normal`` = the others; a request's
+``urgent`` scratch flag says whether it is pinned.
 
 UniBoost has no routing component: the paper schedules within an instance and
 composes with an exogenous dispatcher (random, round-robin, JSQ; §A.5,
