@@ -1,0 +1,164 @@
+"""JITServe's power-of-K multi-replica extension of GMAX as a global policy.
+
+Source: papers/000 §4.3 "Supporting Multiple Models" (papers/003 §4.3, the same
+text for Concord/CALM): "For each request r, we create K dummy copies
+[r_1, …, r_K], by randomly sampling K models from the M available models. Each
+dummy r carries a replica-specific priority priority(r), and scheduling
+proceeds as usual over the enlarged set. Once a request is assigned to a
+replica, its other dummies are removed from the queue." K may equal M.
+
+In this system a request is bound to one instance when it is dispatched (the
+dispatcher's PrefillQueueMap, §4.3 of PROSERVE; an engine cannot hold dummies),
+so the race of the dummies is decided at dispatch, by estimating, for each of
+the K sampled instances ``p``, the priority the dummy would have there and
+picking the best:
+
+1. the dummy's priority on ``p`` as GMAX computes it
+   (:mod:`scheduler.local.gmax`): ``goodput_p(r)/t_gen_p(r)``, with ``p``'s own
+   β-corrected latency model (replica speed) and, co-located, its decode load
+   ``n_d`` in the per-token time ``v_p = t_c + (n_d+1)·T~_d(l̄_d)`` (Eq. 6-7);
+2. when it would be scheduled there: GMAX runs the higher-priority requests
+   first, so the dummy waits for the prefill work of the requests queued on
+   ``p`` whose priority (computed the same way) is at least its own,
+   lag-compensated as ESTIMATEEXEC is (PROSERVE §4.3: minus the time since
+   ``ts_p``), and co-located stretched by the decode share of each step
+   (Eq. 8: ``η/(η − t_c − n_d·b_d)``). That delay enters the dummy's achievable
+   goodput (its first token comes later; a late one may lose tokens);
+3. the replica where the dummy's priority is highest wins; ties (e.g. idle
+   identical replicas) go to the earliest estimated first token, then the
+   lowest instance id.
+
+Disaggregated, the decode happens on a decode instance the prefill estimator
+does not model: ``v`` there is a lightly loaded decode step of the model
+(``t_c + T~_d(prompt)``) and ``t_gen_p`` is the prefill on ``p``, the
+bandwidth of ``p`` the dummy uses; the decode instance is the one with the
+most free KV blocks (base class). Like the local policy, the router keeps an
+online output-length bound (:class:`scheduler.length_bound.LengthBound`) fed
+by :meth:`on_request_finished`.
+
+Parameters (validated; the length-bound ones as in the local policy):
+
+* ``k = None``: K = M, every healthy instance, as the paper allows ("K can be
+  set equal to M, ensuring full replica coverage"); an integer samples K of
+  them uniformly (seeded) per request, and is clamped to M.
+* ``eta = None``: the step length in the co-located stretch factor, default the
+  tightest class TPOT SLO (as GoRouting / SlideBatching's η).
+* ``goodput = "tdg"``, ``quantile = 0.95``, ``history = 5000``,
+  ``min_samples = 20``, ``prior_len = 1024``: see :mod:`scheduler.local.gmax`.
+
+``last_decision`` keeps the sampled instances, per-instance priorities and
+first-token estimates of the latest call, for logs and tests.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+from ..length_bound import LengthBound
+from ..local.gmax import GOODPUTS, achievable_goodput
+from ..registry import register_global
+from ..request import ConfigError, Request
+from .base import COLOCATED, DISAGGREGATED, GlobalPolicy, PrefillInstance
+from .estimates import queued_work, resolve_eta
+
+
+@dataclass
+class KDecision:
+    request: str
+    chosen: int
+    sampled: list[int] = field(default_factory=list)
+    priority: dict[int, float] = field(default_factory=dict)   # replica-specific Priority(r)
+    t_first: dict[int, float] = field(default_factory=dict)    # estimated time to r's first token
+    ahead: dict[int, float] = field(default_factory=dict)      # queued work scheduled before r
+
+
+@register_global
+class PowerOfK(GlobalPolicy):
+    name = "jitserve_power_of_k"
+    summary = "JITServe power-of-K: K replica-specific GMAX priorities per request, best replica wins"
+
+    def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
+                 k: int | None = None, eta: float | None = None, goodput: str = "tdg",
+                 quantile: float = 0.95, history: int = 5000, min_samples: int = 20, prior_len: int = 1024):
+        super().__init__(gain, classes, deployment, seed)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+            raise ConfigError(f"{self.name}: k must be an integer >= 1 (or unset for K = M), got {k!r}")
+        self.k = None if k is None else int(k)
+        self.eta = resolve_eta(eta, self.classes, self.name)
+        if goodput not in GOODPUTS:
+            raise ConfigError(f"{self.name}: goodput must be one of {', '.join(GOODPUTS)}, got {goodput!r}")
+        self.goodput = goodput
+        self.bound = LengthBound(quantile, history, min_samples, prior_len, where=self.name)
+        self.last_decision: KDecision | None = None
+
+    def on_request_finished(self, req: Request, now: float) -> None:
+        if req.error is None and req.num_emitted >= 1:
+            self.bound.observe(req.num_emitted)
+
+    # -- the dummy's priority on one replica --------------------------------------------------
+    def _speeds(self, p: PrefillInstance, tpot: float) -> tuple[float, float]:
+        """(v, stretch): per-token step time and the wall time per unit of prefill work."""
+        est, m = p.estimator, p.estimator.model
+        t_c = est.t_c
+        if self.deployment == COLOCATED:
+            b_d = est.decode(p.avg_decode_kv)
+            v = t_c + (p.n_decode + 1) * b_d
+            eta = self.eta if self.eta is not None else tpot
+            cap = eta - t_c - p.n_decode * b_d
+            return v, (eta / cap if cap > 0 else math.inf)                     # Eq. 8 scale
+        return math.nan, 1.0
+
+    def _priority(self, r: Request, p: PrefillInstance, l_q: int, l_kv: int, wait: float, now: float,
+                  v: float, stretch: float) -> tuple[float, float]:
+        """(Priority_p(r), t_first) if r's prefill starts on p after ``wait`` seconds."""
+        est = p.estimator
+        gain = self.gain
+        n = r.num_emitted
+        L = self.bound.upper(n) - n
+        x = est.prefill(l_q, l_kv) if l_q > 0 else 0.0
+        colocated = self.deployment == COLOCATED
+        t_pre = x * stretch + est.t_c if x > 0 else 0.0
+        t_first = wait + (t_pre if l_q > 0 else v if colocated else 0.0)
+        if colocated:
+            t_gen = (t_pre if l_q > 0 else v) + (L - 1) * v
+        else:
+            v = est.t_c + est.decode(r.prompt_len + n)                         # decode elsewhere, lightly loaded
+            t_gen = t_pre if t_pre > 0 else est.t_c
+        tdg = self.goodput == "tdg"
+        w = r.weight if tdg else 1.0
+        w_p, w_d = (gain.w_p, gain.w_d) if tdg else (1.0, 1.0)
+        d_next = gain.next_token_deadline(r)
+        g = achievable_goodput(L, now + t_first - d_next, r.tpot_slo - v, (w_p if n == 0 else w_d) * w, w_d * w)
+        return g / max(t_gen, 1e-9), t_first
+
+    def select_prefill(self, req, prefills, now):
+        M = len(prefills)
+        K = M if self.k is None else min(self.k, M)
+        idx = list(range(M)) if K == M else sorted(self.rng.sample(range(M), K))
+        dec = KDecision(request=req.id, chosen=-1, sampled=[prefills[i].id for i in idx])
+        best_key, best = None, idx[0]
+        for i in idx:
+            p = prefills[i]
+            v, stretch = self._speeds(p, req.tpot_slo)
+            own = (req.remaining_prefill, req.kv_len)
+            p0, _ = self._priority(req, p, *own, 0.0, now, v, stretch)
+            # prefill work GMAX would run on p before the dummy: the queued requests whose
+            # priority there (computed the same way) is at least the dummy's
+            ahead = 0.0
+            t_c = p.estimator.t_c
+            for q in p.queue:
+                l_q, l_kv = queued_work(p, q)
+                pq, _ = self._priority(q, p, l_q, l_kv, 0.0, now, v, stretch)
+                if pq >= p0 and l_q > 0:
+                    ahead += p.estimator.prefill(l_q, l_kv) * stretch + t_c
+            wait = max(0.0, ahead - max(0.0, now - p.ts))                      # lag compensation
+            prio, t_first = self._priority(req, p, *own, wait, now, v, stretch)
+            dec.priority[p.id], dec.t_first[p.id], dec.ahead[p.id] = prio, t_first, ahead
+            key = (-prio, t_first, p.id)
+            if best_key is None or key < best_key:
+                best_key, best = key, i
+        dec.chosen = prefills[best].id
+        self.last_decision = dec
+        return prefills[best]
