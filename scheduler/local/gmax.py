@@ -98,7 +98,12 @@ Parameters and defaults (the paper's value where it gives one):
   is the largest group whose members each still get that bandwidth.
   Prefill-only: the number of mean-sized remaining prompts that fit one step's
   token budget (the group is then the prefill batch itself, as in Alg. 1). An
-  integer fixes B (vLLM's ``max_num_seqs``).
+  integer fixes B (vLLM's ``max_num_seqs``). Note: on the bundled 7B-class
+  model the KV memory (about 80 requests of the Azure trace's mean context)
+  fills before this B (about 150) is reached, so there the group holds every
+  queued request and GMAX reduces to goodput/t_gen-ordered chunked prefill;
+  the window, the frames and the preemption guard act when B binds (a smaller
+  ``batch_size``, a larger memory, longer contexts).
 * ``cutoff`` (p) ``= 0.95``: the paper's example value (§4.2).
 * ``frame_steps`` (Δ) ``= 50``: the paper's frame, "Δ = 50 decoding steps;
   about 300 ms" (§4.2).
