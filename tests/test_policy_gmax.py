@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request, make_global, make_local
+from scheduler import ConfigError, Estimator, LatencyModel, Request, make_global, make_local
 from scheduler.estimator import OnlineCorrector
 from scheduler.length_bound import LengthBound
 from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
@@ -27,7 +27,7 @@ from scheduler.local.gmax import achievable_goodput, gmax_select
 from scheduler.paper_metrics.jitserve import on_time_tokens, token_goodput
 from scheduler.request import Phase
 from scheduler.routing.base import DecodeInstance, PrefillInstance, PrefillQueueMap
-from scheduler.tdg import GainConfig as _G
+from scheduler.tdg import GainConfig as _G  # TDG, for the comparison with JITServe goodput
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=1e-2)
 TTFT, TPOT = 1.0, 0.1

@@ -136,7 +136,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 
 from ..length_bound import LengthBound
 from ..registry import register_local
