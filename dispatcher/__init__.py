@@ -1,2 +1,2 @@
-"""Global dispatcher: OpenAI-compatible HTTP API routing with GoRouting.
-Filled in by the dispatcher issue."""
+"""Global dispatcher: an OpenAI-compatible HTTP API that routes priority-tagged
+requests over prefill/decode worker pools with GoRouting (``python -m dispatcher``)."""

@@ -1,0 +1,184 @@
+"""An HTTP stand-in for a vLLM worker, for testing and benchmarking the
+dispatcher on its own (not a serving engine: it computes nothing).
+
+It answers the endpoints the dispatcher uses — ``/health``, ``/v1/models``,
+``/metrics`` (``proserve:beta``, vLLM's KV-cache gauges), ``/tokenize``,
+``/v1/completions`` and ``/v1/chat/completions``, streamed or not — in vLLM's
+formats, with made-up tokens after a configurable delay (``prefill_s`` per
+request plus ``prefill_s_per_token``, then ``decode_s`` per token). It keeps the
+bodies it received (``received``) so tests can check what the dispatcher sent,
+and can be told to fail: ``fail = "500" | "drop" | "hang" | "refuse"``,
+optionally only after ``fail_after_tokens`` streamed tokens.
+
+    python -m bench.fake_worker --port 9100 --decode-s 0.001     # one fake worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeWorker:
+    port: int = 0
+    host: str = "127.0.0.1"
+    model: str = MODEL
+    max_model_len: int = 2048
+    prefill_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    decode_s: float = 0.0
+    beta: float = 1.0
+    num_blocks: int = 1000
+    block_size: int = 16
+    usage: float = 0.0
+    fail: str | None = None
+    fail_after_tokens: int = 0
+    keep_bodies: bool = True
+    received: list = field(default_factory=list)
+    requests: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def health(self, request):
+        if self.fail in ("500", "hang"):
+            return web.Response(status=500 if self.fail == "500" else 503)
+        return web.Response(text="")
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "fake", "max_model_len": self.max_model_len}]})
+
+    async def metrics(self, request):
+        return web.Response(text=(
+            f'proserve:beta{{policy="slide_batching"}} {self.beta}\n'
+            f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0\n'
+            f'vllm:kv_cache_usage_perc{{engine="0"}} {self.usage}\n'))
+
+    async def tokenize(self, request):
+        body = await request.json()
+        if "messages" in body:
+            n = sum(len(str(m.get("content", "")).split()) + 3 for m in body["messages"]) + 1
+        else:
+            n = len(str(body.get("prompt", "")).split())
+        return web.json_response({"count": n, "max_model_len": self.max_model_len, "tokens": list(range(n))})
+
+    async def completions(self, request):
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request):
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request, chat: bool):
+        self.requests += 1
+        body = await request.json()
+        if self.keep_bodies:
+            self.received.append(body)
+        if self.fail == "500" and not self.fail_after_tokens:
+            return web.json_response({"error": {"message": "fake failure", "code": 500}}, status=500)
+        if self.fail == "hang" and not self.fail_after_tokens:
+            await asyncio.sleep(3600)
+        if self.fail == "drop" and not self.fail_after_tokens:
+            request.transport.close()
+            return web.Response()
+        if body.get("temperature", 0) is not None and body.get("temperature", 0) < 0:
+            return web.json_response({"error": {"message": "temperature must be non-negative", "code": 400}},
+                                     status=400)
+        prompt = body.get("prompt")
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        await asyncio.sleep(self.prefill_s + self.prefill_s_per_token * n_prompt)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-fake{self.requests}"
+        created = int(time.time())
+        if not body.get("stream"):
+            await asyncio.sleep(self.decode_s * (max_tokens - 1))
+            ids = list(range(1, max_tokens + 1))
+            text = " ".join(f"t{i}" for i in ids)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "finish_reason": "length"})
+            if body.get("return_token_ids"):
+                choice["token_ids"] = ids
+            return web.json_response({
+                "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model, "choices": [choice], "kv_transfer_params": body.get("kv_transfer_params"),
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens,
+                          "total_tokens": n_prompt + max_tokens}})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(1, max_tokens + 1):
+            if i > 1:
+                await asyncio.sleep(self.decode_s)
+            if self.fail and self.fail_after_tokens and i > self.fail_after_tokens:
+                if self.fail == "hang":
+                    await asyncio.sleep(3600)
+                request.transport.close()
+                return resp
+            last = i == max_tokens
+            if chat:
+                choice = {"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": "length" if last else None}
+            else:
+                choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [i]
+            chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": self.model, "choices": [choice]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": rid, "object": "text_completion", "created": created, "model": self.model, "choices": [],
+                     "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens,
+                               "total_tokens": n_prompt + max_tokens}}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def start(self) -> "FakeWorker":
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=9100)
+    ap.add_argument("--prefill-s", type=float, default=0.0)
+    ap.add_argument("--decode-s", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    w = FakeWorker(port=args.port, host=args.host, prefill_s=args.prefill_s, decode_s=args.decode_s,
+                   keep_bodies=False)
+    web.run_app(w.app(), host=args.host, port=args.port, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

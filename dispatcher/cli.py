@@ -1,0 +1,161 @@
+"""``python -m dispatcher``: start the ProServe dispatcher."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from scheduler.config import classes_from_dicts
+from scheduler.registry import global_names
+from scheduler.request import ConfigError
+from scheduler.tdg import GainConfig
+
+from .config import DecodeSpec, DispatcherConfig, PrefillSpec, load_config, load_keys, read_file
+
+EPILOG = """\
+examples:
+  # 1 prefill + 1 decode worker on this host (scripts/launch_cluster.sh starts all three)
+  python -m dispatcher --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200=tcp://127.0.0.1:15600
+  # everything from a file (TOML or JSON; see dispatcher/config.py), API keys from another
+  python -m dispatcher --config cluster.toml --keys keys.toml
+  # co-located instances (whole requests on one engine), Min-Load routing
+  python -m dispatcher --deployment colocated --prefill http://127.0.0.1:8100 --global-policy min_load
+
+requests: POST /v1/completions or /v1/chat/completions with 'Authorization: Bearer <key>'; optional
+fields "priority": "<class>" and "slo": {"ttft_ms": 500, "tpot_ms": 50} within what the key allows.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m dispatcher", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="ProServe global dispatcher: an OpenAI-compatible HTTP API that routes each "
+                    "priority-tagged request to a prefill/decode pair (GoRouting by default), drives the "
+                    "KV hand-off, streams tokens back and reports TDG and SLO metrics on /metrics.")
+    ap.add_argument("--config", help="cluster config file (TOML or JSON): instances, classes, gain, policy; "
+                                     "the flags below override it")
+    ap.add_argument("--keys", help="API-key file (TOML or JSON): key -> client, class, allowed SLO ranges. "
+                                   "Without it access is open (a warning is logged)")
+    ap.add_argument("--host", help="bind address (default 127.0.0.1; expose deliberately)")
+    ap.add_argument("--port", type=int, help="port (default 8000)")
+    ap.add_argument("--prefill", action="append", default=[], metavar="URL[,latency_model=PATH]",
+                    help="a prefill (or co-located) worker; repeatable")
+    ap.add_argument("--decode", action="append", default=[], metavar="URL=KV_ADDR",
+                    help="a decode worker and the ZeroMQ address it receives KV on (its --kv-listen); repeatable")
+    ap.add_argument("--deployment", choices=["disaggregated", "colocated"],
+                    help="disaggregated (prefill + decode pools, default) or colocated (whole requests on "
+                         "the --prefill instances)")
+    ap.add_argument("--global-policy", help=f"routing policy (default go_routing); one of: "
+                                            f"{', '.join(global_names())}")
+    ap.add_argument("--global-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="keyword argument of the routing policy, e.g. alpha=0.9 (VALUE parsed as JSON)")
+    ap.add_argument("--latency-model", help="latency-model JSON for instances that name none "
+                                            "(default: profiler/models/tiny-llama-cpu.json)")
+    ap.add_argument("--classes", help="JSON file: [{\"name\", \"weight\", \"ttft_slo\", \"tpot_slo\"}, ...] "
+                                      "(seconds; default high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s)")
+    ap.add_argument("--default-class", help="class of requests that name none with open access "
+                                            "(default: the lowest-weight class)")
+    ap.add_argument("--w-p", type=float, help="TDG weight of the first token (Eq. 3; default 1)")
+    ap.add_argument("--w-d", type=float, help="TDG weight of each later token (default 1)")
+    ap.add_argument("--model", help="served model name (default: what the workers report)")
+    ap.add_argument("--record-requests", metavar="PATH", help="append one JSON line per finished request")
+    ap.add_argument("--health-interval", type=float, help="seconds between health checks (default 1)")
+    ap.add_argument("--request-timeout", type=float, help="seconds a request may take in all (default 600)")
+    ap.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
+                    help="at start, wait up to this long for every instance to answer (default: don't)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def _kv(items: list[str], flag: str) -> dict:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def config_from_args(args) -> DispatcherConfig:
+    cfg = load_config(args.config) if args.config else DispatcherConfig()
+    for attr, flag in (("host", "host"), ("port", "port"), ("deployment", "deployment"),
+                       ("global_policy", "global_policy"), ("default_class", "default_class"),
+                       ("model", "model"), ("record_requests", "record_requests"),
+                       ("health_interval_s", "health_interval"), ("request_timeout_s", "request_timeout")):
+        v = getattr(args, flag)
+        if v is not None:
+            setattr(cfg, attr, v)
+    if args.global_param:
+        cfg.global_params = {**cfg.global_params, **_kv(args.global_param, "--global-param")}
+    if args.classes:
+        cfg.classes = classes_from_dicts(_read_list(args.classes), f"--classes {args.classes}")
+    if args.w_p is not None or args.w_d is not None:
+        cfg.gain = GainConfig(w_p=args.w_p if args.w_p is not None else cfg.gain.w_p,
+                              w_d=args.w_d if args.w_d is not None else cfg.gain.w_d,
+                              deadline=cfg.gain.deadline)
+    for item in args.prefill:
+        url, _, rest = item.partition(",")
+        opts = _kv([x for x in rest.split(",") if x], "--prefill") if rest else {}
+        unknown = set(opts) - {"latency_model"}
+        if unknown:
+            raise ConfigError(f"--prefill {item!r}: unknown option(s) {', '.join(sorted(unknown))}")
+        cfg.prefill.append(PrefillSpec(url, opts.get("latency_model")))
+    for item in args.decode:
+        url, sep, kv = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--decode expects URL=KV_ADDR (e.g. http://127.0.0.1:8200=tcp://127.0.0.1:15600), "
+                              f"got {item!r}")
+        cfg.decode.append(DecodeSpec(url, kv))
+    if args.latency_model:
+        for s in cfg.prefill:
+            s.latency_model = s.latency_model or args.latency_model
+    if args.prefill and not args.decode and args.deployment is None and not cfg.decode:
+        raise ConfigError("no decode workers: add --decode URL=KV_ADDR, or --deployment colocated to serve "
+                          "whole requests on the --prefill instances")
+    cfg.validate("dispatcher config")
+    return cfg
+
+
+def _read_list(path: str) -> list:
+    """A classes file: a JSON list, or a TOML/JSON table holding ``classes``."""
+    if path.endswith(".json"):
+        try:
+            data = json.loads(open(path).read())
+        except OSError as e:
+            raise ConfigError(f"--classes {path}: cannot read ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--classes {path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    else:
+        data = read_file(path)
+    if isinstance(data, dict):
+        data = data.get("classes")
+    if not isinstance(data, list):
+        raise ConfigError(f"--classes {path}: expected a list of classes (or a table with 'classes')")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        keys = load_keys(args.keys, cfg.classes) if args.keys else None
+        from .server import Dispatcher, create_app
+        d = Dispatcher(cfg, keys)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+    app = create_app(d, wait_s=args.wait_ready)
+    logging.getLogger("proserve.dispatcher").info(
+        "dispatcher on http://%s:%d: %s, policy %s, %d prefill + %d decode instances", cfg.host, cfg.port,
+        cfg.deployment, cfg.global_policy, len(cfg.prefill), len(cfg.decode))
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level if args.log_level != "info" else "warning",
+                access_log=False)
+    return 0

@@ -1,0 +1,300 @@
+"""The dispatcher's configuration: instances, priority classes, gain weights,
+routing policy, and the API-key table.
+
+Two files, both TOML (``.toml``) or JSON (``.json``):
+
+* the **cluster config** (``--config``)::
+
+      [dispatcher]
+      host = "127.0.0.1"            # loopback unless you mean it
+      port = 8000
+      global_policy = "go_routing"  # go_routing | min_load | round_robin | random | ...
+      deployment = "disaggregated"  # or "colocated" (no decode pool: whole requests on one instance)
+      [global_params]               # keyword arguments of the policy, e.g. alpha = 0.9
+      [gain]                        # TDG weights (Eq. 3): w_p, w_d; deadline = "fixed" | "ttft_anchored"
+      w_p = 1.0
+      [[classes]]                   # priority classes; default: high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s
+      name = "high"; weight = 2.0; ttft_slo = 1.0; tpot_slo = 0.1
+      [[prefill]]                   # prefill (or co-located) instances
+      url = "http://127.0.0.1:8100"
+      latency_model = "profiler/models/tiny-llama-cpu.json"   # optional; default: the bundled profile
+      [[decode]]
+      url = "http://127.0.0.1:8200"
+      kv_addr = "tcp://127.0.0.1:15600"   # where this decode worker receives KV (its --kv-listen)
+
+  Instances on other hosts are just other URLs and KV addresses (bind the
+  workers to a non-loopback address only on a trusted network).
+
+* the **keys file** (``--keys``) maps each API key to a client, its priority
+  class and the SLO range it may ask for::
+
+      [[keys]]
+      key = "sk-acme-0001"
+      client = "acme"
+      class = "high"
+      ttft_ms = [200, 10000]        # optional: allowed range of a request's slo.ttft_ms
+      tpot_ms = [20, 1000]
+
+Every error names the file and the entry (``cluster.toml: prefill[1].url: ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from scheduler.config import classes_from_dicts, default_classes
+from scheduler.request import ConfigError, PriorityClass
+from scheduler.routing.base import COLOCATED, DEPLOYMENTS, DISAGGREGATED
+from scheduler.tdg import GainConfig
+
+#: SLOs above this are absurd for an interactive service and rejected as input errors
+MAX_SLO_MS = 3_600_000.0
+
+
+@dataclass
+class PrefillSpec:
+    url: str
+    latency_model: str | None = None
+    name: str = ""
+
+
+@dataclass
+class DecodeSpec:
+    url: str
+    kv_addr: str
+    name: str = ""
+
+
+@dataclass
+class KeyEntry:
+    key: str
+    client: str
+    cls: str
+    ttft_ms: tuple[float, float] | None = None
+    tpot_ms: tuple[float, float] | None = None
+
+
+@dataclass
+class DispatcherConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    global_policy: str = "go_routing"
+    global_params: dict = field(default_factory=dict)
+    deployment: str = DISAGGREGATED
+    classes: dict[str, PriorityClass] = field(default_factory=default_classes)
+    default_class: str | None = None
+    gain: GainConfig = field(default_factory=GainConfig)
+    prefill: list[PrefillSpec] = field(default_factory=list)
+    decode: list[DecodeSpec] = field(default_factory=list)
+    model: str | None = None               # served model name; default: what the workers report
+    health_interval_s: float = 1.0
+    health_failures: int = 3               # consecutive failed checks before an instance leaves the set
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0       # a whole request, first byte to last
+    idle_timeout_s: float = 60.0           # longest silence of an upstream stream
+    record_requests: str | None = None     # JSONL of per-request records
+    seed: int = 0
+
+    def validate(self, where: str = "config") -> None:
+        if self.deployment not in DEPLOYMENTS:
+            raise ConfigError(f"{where}: dispatcher.deployment must be one of {', '.join(DEPLOYMENTS)}, "
+                              f"got {self.deployment!r}")
+        if not self.prefill:
+            raise ConfigError(f"{where}: no prefill instances (add [[prefill]] url = ... or --prefill URL)")
+        if self.deployment == DISAGGREGATED and not self.decode:
+            raise ConfigError(f"{where}: the disaggregated deployment needs decode instances "
+                              f"([[decode]] url/kv_addr or --decode URL=KV_ADDR); "
+                              f"for whole requests on one instance set deployment = \"colocated\"")
+        if self.deployment == COLOCATED and self.decode:
+            raise ConfigError(f"{where}: deployment \"colocated\" takes no decode instances")
+        if not (0 < self.port < 65536):
+            raise ConfigError(f"{where}: dispatcher.port must be in 1..65535, got {self.port!r}")
+        for k in ("health_interval_s", "connect_timeout_s", "request_timeout_s", "idle_timeout_s"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{where}: dispatcher.{k} must be > 0, got {v!r}")
+        if not isinstance(self.health_failures, int) or self.health_failures < 1:
+            raise ConfigError(f"{where}: dispatcher.health_failures must be an integer >= 1, "
+                              f"got {self.health_failures!r}")
+        if self.default_class is not None and self.default_class not in self.classes:
+            raise ConfigError(f"{where}: dispatcher.default_class {self.default_class!r} is not a class "
+                              f"({', '.join(self.classes)})")
+        seen: set[str] = set()
+        for kind, specs in (("prefill", self.prefill), ("decode", self.decode)):
+            for i, s in enumerate(specs):
+                check_url(s.url, f"{where}: {kind}[{i}].url")
+                if s.url in seen:
+                    raise ConfigError(f"{where}: {kind}[{i}].url {s.url!r} is listed twice")
+                seen.add(s.url)
+                if not s.name:
+                    s.name = f"{kind[0]}{i}"
+        for i, d in enumerate(self.decode):
+            check_kv_addr(d.kv_addr, f"{where}: decode[{i}].kv_addr")
+
+    @property
+    def resolved_default_class(self) -> str:
+        if self.default_class:
+            return self.default_class
+        # untagged requests get the lowest-weight class: never ahead of paying clients
+        return min(self.classes.values(), key=lambda c: c.weight).name
+
+
+def check_url(url: Any, where: str) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}: must be a string like http://127.0.0.1:8100, got {url!r}")
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+        raise ConfigError(f"{where}: must be a base URL like http://127.0.0.1:8100, got {url!r}")
+    try:
+        u.port
+    except ValueError:
+        raise ConfigError(f"{where}: bad port in {url!r}") from None
+    return url
+
+
+def check_kv_addr(addr: Any, where: str) -> str:
+    if not isinstance(addr, str) or not (addr.startswith("tcp://") or addr.startswith("ipc://")):
+        raise ConfigError(f"{where}: must be a ZeroMQ address like tcp://127.0.0.1:15600, got {addr!r}")
+    return addr
+
+
+def read_file(path: str | Path) -> dict:
+    """Parse a TOML or JSON file into a dict; errors name the file and the line."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    if p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a table/object")
+    return data
+
+
+_DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_class", "model",
+                    "health_interval_s", "health_failures", "connect_timeout_s", "request_timeout_s",
+                    "idle_timeout_s", "record_requests", "seed"}
+_TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode"}
+
+
+def _table(data: Mapping, key: str, where: str) -> dict:
+    v = data.get(key, {})
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: {key} must be a table/object, got {type(v).__name__}")
+    return v
+
+
+def _list(data: Mapping, key: str, where: str) -> list:
+    v = data.get(key, [])
+    if not isinstance(v, list):
+        raise ConfigError(f"{where}: {key} must be a list ([[{key}]] in TOML), got {type(v).__name__}")
+    return v
+
+
+def config_from_dict(data: Mapping, where: str = "config", base: Path | None = None) -> DispatcherConfig:
+    """Build a :class:`DispatcherConfig`; relative latency-model paths are resolved against ``base``."""
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}; "
+                          f"expected {', '.join(sorted(_TOP_KEYS))}")
+    cfg = DispatcherConfig()
+    d = _table(data, "dispatcher", where)
+    unknown = set(d) - _DISPATCHER_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: dispatcher: unknown key(s) {', '.join(sorted(unknown))}")
+    for k, v in d.items():
+        setattr(cfg, k, v)
+    cfg.global_params = _table(data, "global_params", where)
+    gain = _table(data, "gain", where)
+    try:
+        cfg.gain = GainConfig(**gain)
+    except TypeError as e:
+        raise ConfigError(f"{where}: gain: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if "classes" in data:
+        cfg.classes = classes_from_dicts(_list(data, "classes", where), f"{where}: classes")
+    for i, p in enumerate(_list(data, "prefill", where)):
+        if not isinstance(p, dict) or "url" not in p:
+            raise ConfigError(f"{where}: prefill[{i}] needs a url")
+        unknown = set(p) - {"url", "latency_model", "name"}
+        if unknown:
+            raise ConfigError(f"{where}: prefill[{i}]: unknown key(s) {', '.join(sorted(unknown))}")
+        lm = p.get("latency_model")
+        if lm is not None and base is not None and not Path(lm).is_absolute():
+            lm = str((base / lm).resolve())
+        cfg.prefill.append(PrefillSpec(p["url"], lm, str(p.get("name", ""))))
+    for i, x in enumerate(_list(data, "decode", where)):
+        if not isinstance(x, dict) or "url" not in x or "kv_addr" not in x:
+            raise ConfigError(f"{where}: decode[{i}] needs url and kv_addr")
+        unknown = set(x) - {"url", "kv_addr", "name"}
+        if unknown:
+            raise ConfigError(f"{where}: decode[{i}]: unknown key(s) {', '.join(sorted(unknown))}")
+        cfg.decode.append(DecodeSpec(x["url"], x["kv_addr"], str(x.get("name", ""))))
+    return cfg
+
+
+def load_config(path: str | Path) -> DispatcherConfig:
+    p = Path(path)
+    cfg = config_from_dict(read_file(p), str(p), base=p.resolve().parent)
+    return cfg
+
+
+# -- API keys -----------------------------------------------------------------------------
+def _range(v: Any, where: str) -> tuple[float, float]:
+    if (not isinstance(v, list) or len(v) != 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+        raise ConfigError(f"{where}: must be [min, max] in milliseconds, got {v!r}")
+    lo, hi = float(v[0]), float(v[1])
+    if not (0 < lo <= hi <= MAX_SLO_MS):
+        raise ConfigError(f"{where}: need 0 < min <= max <= {MAX_SLO_MS:g}, got {v!r}")
+    return lo, hi
+
+
+def keys_from_dict(data: Mapping, classes: Mapping[str, PriorityClass], where: str = "keys") -> dict[str, KeyEntry]:
+    items = data.get("keys")
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{where}: needs a non-empty list 'keys' ([[keys]] in TOML)")
+    out: dict[str, KeyEntry] = {}
+    for i, k in enumerate(items):
+        w = f"{where}: keys[{i}]"
+        if not isinstance(k, dict):
+            raise ConfigError(f"{w}: must be a table/object")
+        unknown = set(k) - {"key", "client", "class", "ttft_ms", "tpot_ms"}
+        if unknown:
+            raise ConfigError(f"{w}: unknown key(s) {', '.join(sorted(unknown))}")
+        key = k.get("key")
+        if not isinstance(key, str) or len(key) < 8:
+            raise ConfigError(f"{w}.key: must be a string of at least 8 characters")
+        if key in out:
+            raise ConfigError(f"{w}.key: duplicate key (client {out[key].client!r} has it too)")
+        client = k.get("client")
+        if not isinstance(client, str) or not client:
+            raise ConfigError(f"{w}.client: must be a non-empty string")
+        cls = k.get("class")
+        if cls not in classes:
+            raise ConfigError(f"{w}.class: unknown class {cls!r}; configured: {', '.join(classes)}")
+        out[key] = KeyEntry(key, client, cls,
+                            _range(k["ttft_ms"], f"{w}.ttft_ms") if "ttft_ms" in k else None,
+                            _range(k["tpot_ms"], f"{w}.tpot_ms") if "tpot_ms" in k else None)
+    return out
+
+
+def load_keys(path: str | Path, classes: Mapping[str, PriorityClass]) -> dict[str, KeyEntry]:
+    p = Path(path)
+    return keys_from_dict(read_file(p), classes, str(p))

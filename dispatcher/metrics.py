@@ -1,0 +1,65 @@
+"""The dispatcher's Prometheus metrics (``GET /metrics``), named like the
+workers' (``proserve:...``; vLLM's are ``vllm:...``).
+
+Per priority class: requests by outcome, TTFT and TPOT histograms (as the
+client sees them: measured at the dispatcher, from arrival to the token leaving
+it), TDG gained and missed (Eq. 3, with the dispatcher's gain weights; a
+non-streamed response delivers all its tokens at once, and is scored so).
+Per instance: routing decisions, the PrefillQueueMap length, β, free KV
+blocks, health. Routing decision time, and GoRouting's branch (Alg. 2 lines
+13/15/17/19) per decision.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("proserve:dispatcher_requests", "Requests that ended, by class and outcome "
+                                "(ok, client_error, auth_error, upstream_error, timeout, cancelled)",
+                                ["priority", "outcome"], registry=r)
+        self.retries = Counter("proserve:dispatcher_retries", "Requests retried on another instance",
+                               ["role"], registry=r)
+        self.in_flight = Gauge("proserve:dispatcher_requests_in_flight", "Requests being served", registry=r)
+        self.ttft = Histogram("proserve:dispatcher_ttft_seconds", "Time to first token at the dispatcher",
+                              ["priority"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("proserve:dispatcher_tpot_seconds", "Mean time per output token after the first",
+                              ["priority"], buckets=_TPOT_BUCKETS, registry=r)
+        self.tokens = Counter("proserve:dispatcher_output_tokens", "Output tokens delivered",
+                              ["priority"], registry=r)
+        self.tdg_gained = Counter("proserve:dispatcher_tdg_gained", "TDG gained (Eq. 3)", ["priority"], registry=r)
+        self.tdg_missed = Counter("proserve:dispatcher_tdg_missed", "TDG missed: ideal gain of the delivered "
+                                  "tokens minus the gain they earned", ["priority"], registry=r)
+        self.slo_met = Counter("proserve:dispatcher_slo_attained", "Requests with TTFT and TPOT both under SLO",
+                               ["priority"], registry=r)
+        self.routed = Counter("proserve:dispatcher_routed", "Routing decisions per instance",
+                              ["role", "instance"], registry=r)
+        self.branch = Counter("proserve:dispatcher_route_branch", "GoRouting branch taken (Alg. 2)",
+                              ["branch"], registry=r)
+        self.route_time = Histogram("proserve:dispatcher_route_seconds", "Routing decision time",
+                                    buckets=_ROUTE_BUCKETS, registry=r)
+        self.queue = Gauge("proserve:dispatcher_prefill_queue", "Requests in PrefillQueueMap[p]",
+                           ["instance"], registry=r)
+        self.beta = Gauge("proserve:dispatcher_instance_beta", "Online correction beta reported by a prefill "
+                          "instance", ["instance"], registry=r)
+        self.free_blocks = Gauge("proserve:dispatcher_decode_free_kv_blocks", "Free KV blocks of a decode "
+                                 "instance (last poll, minus dispatched since)", ["instance"], registry=r)
+        self.healthy = Gauge("proserve:dispatcher_instance_healthy", "1 if the instance is in the candidate set",
+                             ["role", "instance"], registry=r)
+
+    def render(self, registry) -> bytes:
+        for w in registry.prefill:
+            self.queue.labels(w.name).set(len(w.state.queue))
+            self.beta.labels(w.name).set(w.beta)
+            self.healthy.labels(w.role, w.name).set(1 if w.healthy else 0)
+        for w in registry.decode:
+            self.free_blocks.labels(w.name).set(w.state.free_blocks)
+            self.healthy.labels(w.role, w.name).set(1 if w.healthy else 0)
+        return generate_latest(self.registry)
