@@ -1,0 +1,222 @@
+"""SLOs-Serve's multi-replica routing (Chen et al., §4.2, Fig. 7, §6.2).
+
+A one-shot round-robin dispatcher proposes a replica; the centralized
+controller, which keeps a virtual copy of every replica's scheduler, checks
+whether that replica can admit the request with its SLOs attained. If not,
+the request is routed to the next replica, sequentially, until one admits it
+or the routing count reaches ``max_hops``; then the backup policy sends it
+somewhere as best effort (§4.2: "deciding whether to decline the request or
+offload it to lower-tier resources"; here it is never dropped).
+
+The admission check is the same DP as the local policy's
+(:func:`scheduler.slos_serve_model.admit_dp` with one candidate), run on what
+the global scheduler knows of the replica (:class:`PrefillInstance`): the
+requests this router admitted there whose prefill has not finished (forced,
+with their work as recorded at dispatch), the replica's decoding requests
+``n_d`` (co-located), and the replica's estimator (roofline fitted from its
+Eq. 5-7 model, β applied). The replica's local ``slos_serve`` policy then
+decides with its exact state and is authoritative; the two agree when the
+global view is current.
+
+Parameters (``--global-param``):
+
+* ``max_hops`` (default: every replica): routing count limit.
+* ``backup = "first"``: where a request no replica admits goes: ``"first"``,
+  the round-robin replica (it is served there best-effort); ``"min_load"``,
+  the replica with the least queued prefill time (GoRouting's ESTIMATEEXEC).
+* ``batch_time`` (default: tightest class TPOT SLO), ``decode_cost =
+  "model"``, ``fit_max_time`` (default: 4 × the loosest class TPOT SLO),
+  ``roofline_pieces = 2``: as in the local ``slos_serve`` policy, so both
+  sides plan with the same numbers.
+* ``output_len_prior = 266``: ô before requests finish, as the local policy.
+* ``kv_reserve = 0.01``: share of a replica's KV blocks kept free (vLLM's
+  watermark), besides one block per resident request for growth.
+
+Simplifications: the decoding requests of a co-located replica are counted
+at the tightest class TPOT and the instance's ``avg_decode_kv`` (the global
+view has their number only); no memory dimension (the global view has no KV
+occupancy of the prefill instances; the local DP has it); queued work is
+counted as dispatched, without progress since (conservative).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..registry import register_global
+from ..request import ConfigError
+from ..slos_serve_model import FIT_SPAN, PRIOR_WEIGHT, Job, Roofline, admit_dp
+from .base import COLOCATED, DISAGGREGATED, GlobalPolicy
+from .estimates import evaluate, queued_work
+
+BACKUPS = ("first", "min_load")
+DECODE_COSTS = ("model", "unit")
+
+
+@dataclass
+class RouteDecision:
+    """Why the latest call chose what it chose."""
+
+    request: str
+    first: int                                    # the round-robin proposal
+    tried: list[int] = field(default_factory=list)  # replicas checked, in order
+    chosen: int = -1
+    admitted: bool = False                        # False: sent by the backup policy, best-effort
+
+
+@register_global
+class SLOsServeRouting(GlobalPolicy):
+    name = "slos_serve_routing"
+    summary = "SLOs-Serve: round-robin proposal, sequential re-routing to a replica whose DP admits the request"
+
+    def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
+                 max_hops: int | None = None, backup: str = "first", batch_time: float | None = None,
+                 decode_cost: str = "model", fit_max_time: float | None = None, roofline_pieces: int = 2,
+                 output_len_prior: float = 266.0, kv_reserve: float = 0.01):
+        super().__init__(gain, classes, deployment, seed)
+        if max_hops is not None and (isinstance(max_hops, bool) or not isinstance(max_hops, int)
+                                     or max_hops < 1):
+            raise ConfigError(f"{self.name}: max_hops must be an integer >= 1, got {max_hops!r}")
+        if backup not in BACKUPS:
+            raise ConfigError(f"{self.name}: backup must be one of {', '.join(BACKUPS)}, got {backup!r}")
+        if batch_time is not None and (isinstance(batch_time, bool) or not isinstance(batch_time, (int, float))
+                                       or not 0 < batch_time < math.inf):
+            raise ConfigError(f"{self.name}: batch_time must be a finite number > 0, got {batch_time!r}")
+        if decode_cost not in DECODE_COSTS:
+            raise ConfigError(f"{self.name}: decode_cost must be one of {', '.join(DECODE_COSTS)}, "
+                              f"got {decode_cost!r}")
+        if fit_max_time is not None and (isinstance(fit_max_time, bool)
+                                         or not isinstance(fit_max_time, (int, float))
+                                         or not 0 < fit_max_time < math.inf):
+            raise ConfigError(f"{self.name}: fit_max_time must be a finite number > 0, got {fit_max_time!r}")
+        if roofline_pieces not in (1, 2):
+            raise ConfigError(f"{self.name}: roofline_pieces must be 1 or 2, got {roofline_pieces!r}")
+        if isinstance(output_len_prior, bool) or not isinstance(output_len_prior, (int, float)) \
+                or not 1 <= output_len_prior < math.inf:
+            raise ConfigError(f"{self.name}: output_len_prior must be a finite number >= 1, "
+                              f"got {output_len_prior!r}")
+        if isinstance(kv_reserve, bool) or not isinstance(kv_reserve, (int, float)) or not 0 <= kv_reserve < 1:
+            raise ConfigError(f"{self.name}: kv_reserve must be a number in [0, 1), got {kv_reserve!r}")
+        self.kv_reserve = float(kv_reserve)
+        self._out_sum = PRIOR_WEIGHT * float(output_len_prior)
+        self._out_n = PRIOR_WEIGHT
+        self._resident: dict[int, dict[str, object]] = {}   # per replica: routed, unfinished requests
+        self.max_hops = max_hops
+        self.backup = backup
+        self.batch_time = None if batch_time is None else float(batch_time)
+        self.decode_cost = decode_cost
+        if fit_max_time is None and self.classes:
+            fit_max_time = FIT_SPAN * max([c.tpot_slo for c in self.classes.values()] + [batch_time or 0.0])
+        self.fit_max_time = None if fit_max_time is None else float(fit_max_time)
+        self.roofline_pieces = roofline_pieces
+        self._admitted: dict[int, set[str]] = {}   # per replica: requests this router admitted there
+        self._where: dict[str, int] = {}
+        self._roofs: dict[int, tuple[object, Roofline]] = {}
+        self._rr = 0
+        self.last_decision: RouteDecision | None = None
+
+    def _roofline(self, model, tpot: float) -> Roofline:
+        hit = self._roofs.get(id(model))
+        if hit is None or hit[0] is not model:
+            span = self.fit_max_time if self.fit_max_time is not None else FIT_SPAN * tpot
+            roof = Roofline.from_latency_model(model, max(span, 2 * model.t_c), pieces=self.roofline_pieces)
+            hit = (model, roof)
+            self._roofs[id(model)] = hit
+        return hit[1]
+
+    def attainable(self, req, p, now: float) -> bool:
+        """Would replica ``p``'s (virtual) scheduler admit ``req``? (§4.2)"""
+        est = p.estimator
+        m = est.model
+        colocated = self.deployment == COLOCATED
+        tpot_min = min((c.tpot_slo for c in self.classes.values()), default=req.tpot_slo)
+        roof = self._roofline(m, max(req.tpot_slo, self.batch_time or 0.0))
+        t0 = self.batch_time if self.batch_time is not None else tpot_min
+        if colocated:
+            t0 = min(t0, req.tpot_slo, tpot_min)
+        tokens = roof.time2bs(t0 / est.beta)
+        sigma = tokens / t0
+        k_hat = roof.marginal(tokens)
+        unit = self.decode_cost == "unit" or k_hat <= 0
+
+        def e(l_kv: float) -> float:
+            return 1.0 if unit else (m.a_d * l_kv + m.b_d) / k_hat
+
+        base_rate = p.n_decode * e(p.avg_decode_kv) / tpot_min if colocated and p.n_decode else 0.0
+        mine = self._admitted.get(p.id, ())
+        forced = []
+        for r in p.queue:
+            if r.id not in mine or r.id == req.id:
+                continue
+            l_q, l_kv = queued_work(p, r)
+            pddl = r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo
+            forced.append(Job(pddl, l_q, e(l_q + l_kv) / r.tpot_slo if colocated else 0.0))
+        if colocated and not self._memory_fits(req, p, m.metadata, mine):
+            return False
+        cand = Job(req.arrival + req.ttft_slo, req.remaining_prefill, 0.0, 0)
+        rate = e(req.prompt_len) / req.tpot_slo if colocated else 0.0
+        return admit_dp(now, sigma, base_rate, forced, [cand], [rate]).admitted[0]
+
+    @property
+    def mean_output_len(self) -> float:
+        """ô, learned from finished requests as the local policy does."""
+        return self._out_sum / self._out_n
+
+    def _memory_fits(self, req, p, md: dict, mine) -> bool:
+        """The m dimension on the virtual replica (co-located): KV blocks of the requests
+        routed there and not finished, plus the growth (to prompt + ô) of those this
+        router admitted, must leave room for ``req``'s prompt + ô. Skipped when the
+        latency model does not say how many KV blocks an instance has."""
+        total, bs = md.get("num_kv_blocks"), md.get("block_size")
+        if not total or not bs:
+            return True
+        o_hat = self.mean_output_len
+        resident = self._resident.get(p.id, {})
+        queued = {r.id for r in p.queue}
+        used = 0.0
+        for rid, r in resident.items():
+            held = 0 if rid in queued else -(-(r.prompt_len + r.num_emitted) // bs)
+            if rid in mine:
+                held = max(held, -(-(r.prompt_len + max(o_hat, r.num_emitted + 1)) // bs))
+            used += held
+        reserve = self.kv_reserve * total + len(resident)
+        return -(-(req.prompt_len + o_hat) // bs) <= total - reserve - used
+
+    def select_prefill(self, req, prefills, now):
+        n = len(prefills)
+        start = self._rr % n
+        self._rr += 1
+        hops = n if self.max_hops is None else min(self.max_hops, n)
+        dec = RouteDecision(req.id, prefills[start].id)
+        self.last_decision = dec
+        for h in range(hops):
+            p = prefills[(start + h) % n]
+            dec.tried.append(p.id)
+            if self.attainable(req, p, now):
+                dec.chosen, dec.admitted = p.id, True
+                self._admitted.setdefault(p.id, set()).add(req.id)
+                self._note(req, p)
+                return p
+        if self.backup == "min_load":
+            gain, dep = self.gain, self.deployment
+            eta = min((c.tpot_slo for c in self.classes.values()), default=None)
+            p = min(prefills, key=lambda q: (evaluate(q, req, now, gain, dep, eta, with_gain=False).exec, q.id))
+        else:
+            p = prefills[start]
+        dec.chosen = p.id
+        self._note(req, p)
+        return p
+
+    def _note(self, req, p) -> None:
+        self._where[req.id] = p.id
+        self._resident.setdefault(p.id, {})[req.id] = req
+
+    def on_request_finished(self, req, now: float) -> None:
+        where = self._where.pop(req.id, None)
+        if where is not None:
+            self._admitted.get(where, set()).discard(req.id)
+            self._resident.get(where, {}).pop(req.id, None)
+        if req.error is None and req.num_emitted > 0:
+            self._out_sum += req.num_emitted
+            self._out_n += 1
