@@ -20,9 +20,10 @@ import random
 
 import pytest
 
-from scheduler import ConfigError, Estimator, GainConfig, LatencyModel, PriorityClass, Request, make_global, make_local
+from scheduler import (ConfigError, Estimator, GainConfig, LatencyModel, Phase, PriorityClass, Request, make_global,
+                       make_local)
 from scheduler.estimator import BatchSample
-from scheduler.local import PREFILL_ONLY, InstanceView
+from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
 from scheduler.paper_metrics import slos_serve as pm
 from scheduler.routing.base import PrefillInstance, PrefillQueueMap
 from scheduler.slos_serve_model import (Job, Roofline, admit_dp, decode_tokens, feasible_alone, greedy_admit,
@@ -383,6 +384,76 @@ def test_overload_declines_but_every_request_finishes():
     # steps that served the best-effort tier (ScheduleInfo.n_normal counts its items)
     assert any(t.n_normal > 0 for t in res.timeline), "8 req/s on one instance should decline some requests"
     assert 0.2 < pm.attainment(res.requests) < 0.95
+
+
+class Sealed(Request):
+    """A request whose output length a policy must not read (engines do not know it)."""
+
+    __slots__ = ("_out",)
+    sealed = False
+
+    @property
+    def output_len(self):
+        if Sealed.sealed:
+            raise AssertionError("the policy read output_len")
+        return self._out
+
+    @output_len.setter
+    def output_len(self, v):
+        self._out = v
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
+def test_policy_and_router_never_read_output_len(deployment):
+    """Run both through a few hundred steps, applying their plans, with output_len sealed
+    whenever a policy runs."""
+    mode = COLOCATED if deployment == "colocated" else PREFILL_ONLY
+    est = Estimator(FIG3)
+    pol = make_local("slos_serve", est, None, FIG3_CLASSES)
+    router = make_global("slos_serve_routing", classes=FIG3_CLASSES, deployment=deployment)
+    ps = [PrefillInstance(0, est), PrefillInstance(1, Estimator(FIG3))]
+    qmap = PrefillQueueMap(ps)
+    reqs = [Sealed(f"s{i}", "x", 1.0, 6.0, 1.0, 0.5 * i, 6, 3 + i % 4) for i in range(12)]
+    now, waiting, decoding, done = 0.0, [], [], []
+    while len(done) < len(reqs):
+        for r in reqs:
+            if r.arrival <= now and r not in waiting and r not in decoding and r not in done:
+                Sealed.sealed = True
+                try:
+                    p, _ = router.route(r, ps, [], now)
+                finally:
+                    Sealed.sealed = False
+                qmap.add(p.id, r, now)
+                waiting.append(r)
+        Sealed.sealed = True
+        try:
+            plan = pol.schedule(InstanceView(now, list(waiting), list(decoding), mode=mode))
+        finally:
+            Sealed.sealed = False
+        now += max(est.batch([(n, r.kv_len) for r, n in plan.prefill], [r.kv_len for r in plan.decode]), 0.1)
+        for r, n in plan.prefill:
+            if r.advance_prefill(n, now):
+                waiting.remove(r)
+                qmap.remove(0, r, now)
+                qmap.remove(1, r, now)
+                (decoding if not r.finished and mode == COLOCATED else done).append(r)
+        for r in plan.decode:
+            r.kv_len += 1
+            r.emit(now)
+            if r.finished:
+                decoding.remove(r)
+                done.append(r)
+        for r in done:
+            if r.phase is not Phase.DONE:
+                r.phase = Phase.DONE
+            Sealed.sealed = True
+            try:
+                pol.on_request_finished(r, now)
+                router.on_request_finished(r, now)
+            finally:
+                Sealed.sealed = False
+        assert now < 200, "the loop should drain"
+    assert {pol.tier(r) for r in reqs} == {None}
 
 
 @pytest.mark.parametrize("params,match", [
