@@ -2,16 +2,24 @@
 ``/v1/completions`` endpoint and score it with the simulator's metrics.
 
     python -m bench.loadgen --url http://127.0.0.1:8100 --rate 2 --num-requests 200 --out out/lg
+    python -m bench.loadgen --api proserve --keys keys.toml --url http://127.0.0.1:8000 \
+        --rate 4 --arrivals poisson --stream-fraction 0.5 --out out/lg-proserve
+    python -m bench.loadgen --from-records out/lg/requests.jsonl      # re-score a run, no sends
 
 What one run does:
 
 1. **Workload** (:func:`make_workload`): the same pipeline as the simulator
    (:func:`bench.workloads.build_workload`) — trace (bundled Azure
-   conversation trace by default), first ``--num-requests`` rows,
-   :func:`~bench.workloads.scale_to_rate`, seeded 50/50
+   conversation trace by default; BurstGPT, Mooncake, ShareGPT files, or
+   ``synthetic``), first ``--num-requests`` rows, arrivals, seeded 50/50
    :func:`~bench.workloads.tag_priorities` with the class SLOs — plus an
    optional length shaping step (:func:`shape_lengths`: divide prompt / output
    lengths, clip prompts) for engines much faster or slower than the trace's.
+   Arrivals (``--arrivals``): ``trace`` (default) keeps the trace's timestamps,
+   scaled to ``--rate`` with :func:`~bench.workloads.scale_to_rate`;
+   ``poisson`` replaces them with exponential gaps of mean ``1/--rate``
+   (:func:`~bench.workloads.poisson_arrivals`, seeded by ``--seed``), the
+   lengths still coming from the trace rows in order.
 2. **Prompts**: random token ids in ``[--token-low, --vocab)`` of each
    request's prompt length, seeded per request (request ``r7`` gets the same
    prompt whatever the rate or the order of sends). ``max_tokens`` is the
@@ -19,19 +27,38 @@ What one run does:
    exactly that many tokens.
 3. **Sends** at the workload's arrival times (offsets from the run start, one
    asyncio task per request, no client-side concurrency limit), streaming
-   (``"stream": true``). Each request carries its class and SLOs in
-   ``vllm_xargs`` (``priority_class``, ``weight``, ``ttft_slo``, ``tpot_slo``,
-   ``arrival_time`` = the scheduled send time in Unix seconds, so the engine's
-   deadlines count from the same instant as the client's); ``--no-xargs``
-   leaves them out. ``--class-body CLASS=JSON`` merges extra fields into the
-   body of one class's requests (e.g. vLLM's own ``{"priority": 0}``),
-   ``--body JSON`` into every request's.
+   (``"stream": true``) — or, for a seeded ``1 - --stream-fraction`` of the
+   requests (:func:`stream_flags`: exactly ``round(F·n)`` streamed), not
+   (``"stream": false``). How a request names its class and SLOs depends on
+   ``--api``:
+
+   * ``vllm`` (default; a plain vLLM server or a ProServe prefill/decode
+     worker): ``vllm_xargs`` with ``priority_class``, ``weight``,
+     ``ttft_slo``, ``tpot_slo``, ``arrival_time`` = the scheduled send time in
+     Unix seconds, so the engine's deadlines count from the same instant as
+     the client's; ``--no-xargs`` leaves them out (stock vLLM scheduling, the
+     same client). ``--api-key`` is sent with every request.
+   * ``proserve`` (the ProServe dispatcher, :mod:`dispatcher`):
+     ``"priority": "<class>"`` and ``"slo": {"ttft_ms": ..., "tpot_ms": ...}``
+     (the class's SLOs), no ``vllm_xargs`` (the dispatcher sets them), and
+     the class's API key as ``Authorization: Bearer KEY``: ``--class-key
+     CLASS=KEY``, else the first ``[[keys]]`` entry of that class in the
+     dispatcher's ``--keys`` file (TOML or JSON), else ``--api-key``; a class
+     of the workload with none of these is an error before anything is sent.
+
+   ``--class-body CLASS=JSON`` merges extra fields into the body of one
+   class's requests (e.g. vLLM's own ``{"priority": 0}``), ``--body JSON``
+   into every request's. ``return_token_ids`` is asked for in both APIs (the
+   dispatcher passes it through).
 4. **Timestamps**: every SSE chunk is stamped when it is read; a chunk carries
    ``len(choices[0].token_ids)`` tokens (vLLM with ``return_token_ids``; the
    default, since token-id prompts without a tokenizer stream empty text), or,
    without token ids, one token per non-empty ``text`` (``--no-token-ids``,
    for servers that reject ``return_token_ids``). All tokens of a chunk get the
-   chunk's time.
+   chunk's time. An unstreamed response delivers all its tokens when it has
+   been read, so all its token times are that instant (TTFT = the whole
+   response time, TPOT = 0); its token count is ``len(choices[0].token_ids)``,
+   else ``usage.completion_tokens`` (:func:`parse_response`).
 5. **Results**: every request ends with a :class:`Result` — its token times,
    or an error (HTTP status and the server's message, a transport exception,
    a stream that ended early, an error event, or a token count that differs
@@ -48,6 +75,20 @@ What one run does:
    simulator's tables use. A request that ended in an error keeps the tokens
    it got (they count for TDG if on time) but is not finished, so it fails
    its SLO.
+7. **Report**: one table (rows ``all`` and each class; requests, errors,
+   TDG_Ratio, SLO attainment, TTFT and TPOT P50/P90/P99 in seconds,
+   throughput in output tokens/s and finished requests/s over first arrival →
+   last token), and with ``--out``: ``requests.jsonl`` (one record per
+   request, with ``stream`` true/false and its token times), ``summary.json``
+   (the table's numbers and more) and, with matplotlib (``--plots``, on by
+   default when it imports; ``--no-plots``), ``ttft_cdf.png``,
+   ``tpot_cdf.png`` (CDFs per class) and ``classes.png`` (TDG_Ratio and SLO
+   attainment per class). :func:`report_from_records` recomputes the summary
+   from ``requests.jsonl`` alone (``--from-records``), so the report can be
+   checked against the per-request records.
+
+While it runs, a progress bar (tqdm when it imports, else a one-line
+count on stderr; ``--quiet``: none) shows finished requests and errors.
 
 Client health: the summary reports the send lag (actual − scheduled send)
 and the client's own event-loop stalls longer than 50 ms. Both should be ~0;
@@ -81,12 +122,15 @@ from scheduler.request import ConfigError, Phase, PriorityClass, Request
 from scheduler.tdg import GainConfig, slo_attained, summarize
 
 from .traces import TraceRecord, load_trace
-from .workloads import scale_to_rate, synthetic, tag_priorities
+from .workloads import poisson_arrivals, scale_to_rate, synthetic, tag_priorities
 
 BUNDLED_TRACE = Path(__file__).resolve().parent / "data" / "azure_conv_2023.csv"
 DEFAULT_VOCAB = 1024      # the bundled tiny Llama
 DEFAULT_TOKEN_LOW = 3     # skip ids 0-2 (pad/bos/eos of Llama-style vocabularies)
 _SALT_PROMPT = 0x9807     # seed salt of the prompt token streams
+_SALT_STREAM = 0x57E4     # seed salt of the streamed/unstreamed choice
+APIS = ("vllm", "proserve")
+ARRIVAL_MODES = ("trace", "poisson")
 
 
 # --- workload ---------------------------------------------------------------------
@@ -114,21 +158,31 @@ def shape_lengths(records: Sequence[TraceRecord], prompt_div: float = 1.0, outpu
 def make_workload(trace: str = "azure", rate: float | None = None, num_requests: int | None = None,
                   seed: int = 0, classes: Mapping[str, PriorityClass] | None = None,
                   fmt: str | None = None, prompt_div: float = 1.0, output_div: float = 1.0,
-                  max_prompt: int | None = None, max_model_len: int | None = None) -> list[Request]:
+                  max_prompt: int | None = None, max_model_len: int | None = None,
+                  arrivals: str = "trace") -> list[Request]:
     """The simulator's pipeline (:func:`bench.workloads.build_workload`) with
     :func:`shape_lengths` between rate scaling and priority tagging.
 
     ``trace``: ``"azure"`` (bundled), ``"synthetic"`` (default lengths, Poisson
-    at ``rate``), or a trace file. The priorities depend only on ``seed``
-    and the request's position, not on the rate.
+    at ``rate``), or a trace file. ``arrivals``: ``"trace"`` scales the
+    trace's timestamps to ``rate`` (if given); ``"poisson"`` replaces them by
+    seeded Poisson arrivals at ``rate`` (required), keeping the rows' order
+    and lengths. The priorities depend only on ``seed`` and the request's
+    position, not on the rate or the arrivals.
     """
+    if arrivals not in ARRIVAL_MODES:
+        raise ConfigError(f"arrivals must be one of {', '.join(ARRIVAL_MODES)}, got {arrivals!r}")
+    if arrivals == "poisson" and rate is None:
+        raise ConfigError("--arrivals poisson needs --rate (the mean arrival rate, req/s)")
     if trace == "synthetic":
         records = synthetic(num_requests or 1000, rate or 1.0, seed=seed)
     else:
         path = BUNDLED_TRACE if trace == "azure" else trace
         records = load_trace(path, "azure" if trace == "azure" else fmt, limit=num_requests)
-        if rate is not None:
+        if rate is not None and arrivals == "trace":
             records = scale_to_rate(records, rate, seed)
+    if arrivals == "poisson":
+        records = poisson_arrivals(records, rate, seed)
     records = shape_lengths(records, prompt_div, output_div, max_prompt)
     return tag_priorities(records, classes, None, seed, max_model_len)
 
@@ -159,6 +213,25 @@ def prompt_tokens(seed: int, index: int, length: int, vocab: int = DEFAULT_VOCAB
     return rng.integers(low, vocab, size=int(length)).tolist()
 
 
+def stream_flags(n: int, fraction: float = 1.0, seed: int = 0) -> list[bool]:
+    """Which of ``n`` requests are streamed: exactly ``round(fraction · n)`` of
+    them, chosen by a seeded permutation (a function of ``seed`` and ``n`` only)."""
+    check_fraction(fraction, "stream_fraction")
+    k = int(math.floor(fraction * n + 0.5))
+    if k >= n:
+        return [True] * n
+    flags = [False] * n
+    for i in np.random.default_rng([int(seed), _SALT_STREAM]).permutation(n)[:k]:
+        flags[int(i)] = True
+    return flags
+
+
+def check_fraction(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:
+        raise ConfigError(f"{name} must be a number in [0, 1], got {v!r}")
+    return float(v)
+
+
 def request_index(req: Request, default: int) -> int:
     """The position encoded in the workload's ids (``r17`` → 17), else ``default``."""
     rid = req.id
@@ -185,7 +258,10 @@ class ClientConfig:
 
     base_url: str
     model: str | None = None            # None: the first model the server lists
-    api_key: str | None = None          # sent as "Authorization: Bearer <key>"
+    api_key: str | None = None          # sent as "Authorization: Bearer <key>" (proserve: classes without a key)
+    api: str = "vllm"                   # "vllm": class/SLOs in vllm_xargs; "proserve": priority + slo + class key
+    class_keys: dict = field(default_factory=dict)         # class -> API key (api="proserve")
+    stream_fraction: float = 1.0        # share of requests sent with "stream": true (stream_flags)
     vocab: int = DEFAULT_VOCAB
     token_low: int = DEFAULT_TOKEN_LOW
     seed: int = 0                       # prompt token seed
@@ -199,6 +275,37 @@ class ClientConfig:
     def completions_url(self) -> str:
         return api_url(self.base_url, "completions")
 
+    def key_for(self, cls: str) -> str | None:
+        """The API key of one class's requests: its own key, else ``api_key``."""
+        return self.class_keys.get(cls) or self.api_key
+
+    def check(self, classes: Iterable[str]) -> None:
+        """Raise :class:`ConfigError` for settings that cannot work with a workload of these classes."""
+        if self.api not in APIS:
+            raise ConfigError(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
+        check_fraction(self.stream_fraction, "--stream-fraction")
+        if self.api != "proserve":
+            if self.class_keys:
+                raise ConfigError("--class-key/--keys apply only to --api proserve (a vLLM server takes "
+                                  "one --api-key)")
+            return
+        if not self.send_xargs:
+            raise ConfigError("--no-xargs applies only to --api vllm (with --api proserve the dispatcher "
+                              "sets vllm_xargs)")
+        missing = sorted(c for c in set(classes) if not self.key_for(c))
+        if missing:
+            raise ConfigError(
+                "--api proserve: no API key for class(es) " + ", ".join(repr(c) for c in missing)
+                + ": pass --class-key CLASS=KEY, a --keys file with a [[keys]] entry of that class, "
+                  "or --api-key KEY (any key works for a dispatcher without a keys file)")
+
+    def headers_for(self, cls: str) -> dict:
+        h = {"content-type": "application/json"}
+        key = self.key_for(cls) if self.api == "proserve" else self.api_key
+        if key:
+            h["Authorization"] = f"Bearer {key}"
+        return h
+
 
 def api_url(base: str, path: str) -> str:
     """``http://host:port`` or ``http://host:port/v1`` + ``/v1/<path>``."""
@@ -209,14 +316,20 @@ def api_url(base: str, path: str) -> str:
 
 
 def request_body(req: Request, prompt: list[int], model: str, cfg: ClientConfig,
-                 arrival_unix: float | None = None) -> dict:
+                 arrival_unix: float | None = None, stream: bool = True) -> dict:
+    """One request's JSON body (see the module docstring, step 3)."""
     body: dict[str, Any] = {
         "model": model, "prompt": prompt, "max_tokens": req.output_len, "ignore_eos": True,
-        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        "temperature": 0.0, "stream": bool(stream),
     }
+    if stream:   # vLLM rejects stream_options on an unstreamed request
+        body["stream_options"] = {"include_usage": True}
     if cfg.return_token_ids:
         body["return_token_ids"] = True
-    if cfg.send_xargs:
+    if cfg.api == "proserve":
+        body["priority"] = req.priority
+        body["slo"] = {"ttft_ms": req.ttft_slo * 1000.0, "tpot_ms": req.tpot_slo * 1000.0}
+    elif cfg.send_xargs:
         xa = {"priority_class": req.priority, "weight": req.weight, "ttft_slo": req.ttft_slo,
               "tpot_slo": req.tpot_slo}
         if arrival_unix is not None:
@@ -225,6 +338,57 @@ def request_body(req: Request, prompt: list[int], model: str, cfg: ClientConfig,
     deep_merge(body, cfg.body)
     deep_merge(body, cfg.class_body.get(req.priority, {}))
     return body
+
+
+def read_keys_file(path: str | Path) -> dict[str, str]:
+    """Class -> API key from the dispatcher's keys file (``--keys``: TOML, or JSON by
+    its ``.json`` suffix; ``[[keys]]`` entries with ``key``, ``client``, ``class``):
+    for each class the first entry of that class."""
+    p = Path(path)
+    where = f"--keys {p}"
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read ({e.strerror})") from None
+    if p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    else:
+        try:
+            import tomllib
+        except ImportError:   # Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise ConfigError(f"{where}: reading TOML needs Python >= 3.11 (or tomli); "
+                                  f"give the keys as a .json file") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{where}: not valid TOML: {e}") from None
+    items = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{where}: needs a non-empty list 'keys' ([[keys]] in TOML)")
+    out: dict[str, str] = {}
+    for i, k in enumerate(items):
+        if not isinstance(k, dict) or not isinstance(k.get("key"), str) or not k["key"] \
+                or not isinstance(k.get("class"), str):
+            raise ConfigError(f"{where}: keys[{i}] needs a string 'key' and a string 'class'")
+        out.setdefault(k["class"], k["key"])
+    return out
+
+
+def parse_class_keys(items: Iterable[str], keys_file: str | None = None) -> dict[str, str]:
+    """``--class-key CLASS=KEY`` items over the ``--keys`` file's choice."""
+    out = read_keys_file(keys_file) if keys_file else {}
+    for item in items:
+        name, sep, key = item.partition("=")
+        if not sep or not name or not key:
+            raise ConfigError(f"--class-key expects CLASS=KEY, got {item!r}")
+        out[name] = key
+    return out
 
 
 # --- SSE -------------------------------------------------------------------------------
@@ -336,6 +500,41 @@ def parse_chunk(data: str, token_ids: bool = True) -> Chunk:
     return out
 
 
+def parse_response(data: bytes | str, token_ids: bool = True) -> Chunk:
+    """Read an unstreamed completion response: all its tokens at once.
+
+    The count is ``len(choices[0].token_ids)`` (when asked for and present),
+    else ``usage.completion_tokens``; a response with neither is malformed
+    (its tokens cannot be counted). ``done`` is set: the response is whole.
+    """
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Chunk(malformed=f"not JSON ({e.msg}): {text[:80]!r}")
+    if not isinstance(obj, dict):
+        return Chunk(malformed=f"not a JSON object: {text[:80]!r}")
+    if obj.get("error"):
+        return parse_chunk(text, token_ids)   # same wording as an error event
+    out = Chunk(done=True)
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        out.usage_tokens = usage["completion_tokens"]
+    choices = obj.get("choices")
+    first = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None) \
+        if isinstance(choices, list) else None
+    ids = first.get("token_ids") if first else None
+    if token_ids and isinstance(ids, list):
+        out.tokens = len(ids)
+    elif out.usage_tokens is not None:
+        out.tokens = out.usage_tokens
+    else:
+        out.malformed = f"neither choices[0].token_ids nor usage.completion_tokens: {text[:80]!r}"
+    if first and first.get("finish_reason"):
+        out.finish_reason = str(first["finish_reason"])
+    return out
+
+
 # --- results ---------------------------------------------------------------------------
 
 @dataclass
@@ -352,8 +551,9 @@ class Result:
     error: str | None = None
     finish_reason: str | None = None
     usage_tokens: int | None = None
-    malformed: int = 0                  # SSE data payloads that could not be read
-    done: bool = False                  # saw [DONE]
+    malformed: int = 0                  # SSE data payloads (or an unstreamed body) that could not be read
+    done: bool = False                  # saw [DONE] (unstreamed: read the whole response)
+    stream: bool = True                 # sent with "stream": true
 
     @property
     def ok(self) -> bool:
@@ -421,8 +621,14 @@ def summarize_run(reqs: Sequence[Request], results: Sequence[Result], gain: Gain
     converted = [to_request(q, by_id[q.id]) for q in reqs]
     metrics = {k: v.as_dict() for k, v in summarize(converted, gain).items()}
     errs = error_counts(by_id[q.id] for q in reqs)
+    unstreamed: dict[str, int] = {}
+    for q in reqs:
+        if not by_id[q.id].stream:
+            for key in ("all", q.priority):
+                unstreamed[key] = unstreamed.get(key, 0) + 1
     for k, m in metrics.items():
         m["errors"] = errs.get(k, {}).get("errors", 0)
+        m["unstreamed"] = unstreamed.get(k, 0)
     lags = [r.sent - r.arrival for r in results if r.sent is not None]
     return {
         "metrics": metrics, "errors": errs,
@@ -479,6 +685,19 @@ async def _one(session, url: str, headers: dict, payload: bytes, res: Result, cl
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {await _error_message(resp)}"
                 return res
+            if not res.stream:
+                raw = await resp.read()
+                now = clock()   # every token arrives with the whole response
+                ch = parse_response(raw, token_ids)
+                if ch.malformed:
+                    res.malformed += 1
+                    res.error = f"unreadable response: {ch.malformed}"
+                elif ch.error is not None:
+                    res.error = f"error response: {ch.error}"
+                else:
+                    res.token_times.extend([now] * ch.tokens)
+                    res.finish_reason, res.usage_tokens, res.done = ch.finish_reason, ch.usage_tokens, ch.done
+                return res.finish()
             parser = SSEParser()
             async for data in resp.content.iter_any():
                 now = clock()
@@ -547,20 +766,22 @@ async def _watch_loop(stop: asyncio.Event, stalls: list[float], period: float = 
 
 
 async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> Run:
-    """Send every request at its offset; return one :class:`Result` per request, in workload order."""
+    """Send every request at its offset; return one :class:`Result` per request, in workload order.
+
+    ``progress(done, total, result)`` is called as each request ends."""
     import aiohttp
-    model = cfg.model or await fetch_model(cfg.base_url, cfg.api_key)
+    cfg.check(q.priority for q in reqs)
+    model = cfg.model or await fetch_model(cfg.base_url, cfg.key_for(reqs[0].priority) if reqs else cfg.api_key)
     offsets = send_offsets(reqs)
     # everything heavy happens before the clock starts
     prompts = [prompt_tokens(cfg.seed, request_index(q, i), q.prompt_len, cfg.vocab, cfg.token_low)
                for i, q in enumerate(reqs)]
     perf0 = time.perf_counter() + cfg.start_delay
     t0_unix = time.time() + cfg.start_delay
-    payloads = [json.dumps(request_body(q, p, model, cfg, t0_unix + off)).encode()
-                for q, p, off in zip(reqs, prompts, offsets)]
-    headers = {"content-type": "application/json"}
-    if cfg.api_key:
-        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    streams = stream_flags(len(reqs), cfg.stream_fraction, cfg.seed)
+    payloads = [json.dumps(request_body(q, p, model, cfg, t0_unix + off, st)).encode()
+                for q, p, off, st in zip(reqs, prompts, offsets, streams)]
+    headers = {c: cfg.headers_for(c) for c in {q.priority for q in reqs}}
     url = cfg.completions_url()
 
     def clock() -> float:
@@ -571,12 +792,14 @@ async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> R
     async def send(i: int) -> Result:
         nonlocal done
         q = reqs[i]
-        res = Result(id=q.id, priority=q.priority, arrival=offsets[i], expected_tokens=q.output_len)
+        res = Result(id=q.id, priority=q.priority, arrival=offsets[i], expected_tokens=q.output_len,
+                     stream=streams[i])
         delay = offsets[i] - clock()
         if delay > 0:
             await asyncio.sleep(delay)
         try:
-            await _one(session, url, headers, payloads[i], res, clock, cfg.return_token_ids, cfg.request_timeout)
+            await _one(session, url, headers[q.priority], payloads[i], res, clock, cfg.return_token_ids,
+                       cfg.request_timeout)
         except BaseException as e:   # cancelled: still a result
             if res.error is None:
                 res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -604,15 +827,20 @@ async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> R
     return Run(list(results), t0_unix, wall, stalls)
 
 
-# --- tables ------------------------------------------------------------------------------
+# --- report: table, records, plots ------------------------------------------------------
+
+#: the table's columns: header, summary key, format (times in seconds)
+TABLE_COLUMNS = [("class", None, "{}"), ("reqs", "requests", "{:d}"), ("errors", "errors", "{:d}"),
+                 ("TDG_Ratio", "tdg_ratio", "{:.3f}"), ("SLO_att", "slo_attainment", "{:.3f}"),
+                 ("TTFT_p50", "ttft_p50", "{:.3f}"), ("TTFT_p90", "ttft_p90", "{:.3f}"),
+                 ("TTFT_p99", "ttft_p99", "{:.3f}"), ("TPOT_p50", "tpot_p50", "{:.4f}"),
+                 ("TPOT_p90", "tpot_p90", "{:.4f}"), ("TPOT_p99", "tpot_p99", "{:.4f}"),
+                 ("req/s", "throughput_req_s", "{:.2f}"), ("out_tok/s", "throughput_tokens_s", "{:.0f}")]
+
 
 def format_summary(summary: dict) -> str:
-    cols = [("class", None, "{}"), ("reqs", "requests", "{:d}"), ("errors", "errors", "{:d}"),
-            ("TDG", "tdg_ratio", "{:.3f}"), ("SLO", "slo_attainment", "{:.3f}"),
-            ("TTFT_p50", "ttft_p50", "{:.3f}"), ("TTFT_p90", "ttft_p90", "{:.3f}"),
-            ("TTFT_p99", "ttft_p99", "{:.3f}"), ("TPOT_p50", "tpot_p50", "{:.4f}"),
-            ("TPOT_p90", "tpot_p90", "{:.4f}"), ("TPOT_p99", "tpot_p99", "{:.4f}"),
-            ("tok/s", "throughput_tokens_s", "{:.0f}"), ("req/s", "throughput_req_s", "{:.2f}")]
+    """The run's table: rows ``all`` and each class, then client health and errors."""
+    cols = TABLE_COLUMNS
     rows = [[c[0] for c in cols]]
     for name, m in summary["metrics"].items():
         row = [name]
@@ -622,11 +850,19 @@ def format_summary(summary: dict) -> str:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append("TTFT/TPOT in seconds; req/s = finished requests, out_tok/s = output tokens, "
+                 "per second from the first arrival to the last token")
+    n_un = summary["metrics"].get("all", {}).get("unstreamed", 0)
+    if n_un:
+        lines.append(f"unstreamed: {n_un} of {summary['metrics']['all']['requests']} requests "
+                     f"(all tokens at the response time: TTFT = whole response, TPOT = 0)")
     lag = summary["send_lag_s"]
-    st = summary.get("client_stalls", {})
-    lines.append(f"send lag p50 {_ms(lag['p50'])} p99 {_ms(lag['p99'])} max {_ms(lag['max'])}; "
-                 f"client event-loop stalls > {_ms(st.get('over_s', STALL_S))}: {st.get('count', 0)} "
-                 f"(max {_ms(st.get('max_s', 0.0))}); malformed SSE chunks: {summary['malformed_chunks']}")
+    st = summary.get("client_stalls")
+    health = f"send lag p50 {_ms(lag['p50'])} p99 {_ms(lag['p99'])} max {_ms(lag['max'])}; "
+    if st is not None:
+        health += (f"client event-loop stalls > {_ms(st.get('over_s', STALL_S))}: {st.get('count', 0)} "
+                   f"(max {_ms(st.get('max_s', 0.0))}); ")
+    lines.append(health + f"malformed SSE chunks: {summary['malformed_chunks']}")
     for name, e in summary["errors"].items():
         if name != "all" and e["errors"]:
             lines.append(f"errors[{name}]: " + "; ".join(f"{n}× {k}" for k, n in e["by_error"].items()))
@@ -649,15 +885,177 @@ def clean_json(x):
 
 
 def write_outputs(out_dir: str | Path, reqs: Sequence[Request], run: Run, gain: GainConfig,
-                  summary: dict, meta: dict | None = None) -> None:
+                  summary: dict, meta: dict | None = None) -> list[dict]:
+    """``requests.jsonl`` and ``summary.json`` in ``out_dir``; returns the records written."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
+    records = [clean_json(rec) for rec in result_records(reqs, run.results, gain)]
     with open(d / "requests.jsonl", "w") as f:
-        for rec in result_records(reqs, run.results, gain):
-            f.write(json.dumps(clean_json(rec)) + "\n")
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
     doc = dict(meta or {})
     doc.update({"t0_unix": run.t0_unix, "wall_s": run.wall_s, **summary})
     (d / "summary.json").write_text(json.dumps(clean_json(doc), indent=1) + "\n")
+    return records
+
+
+_REQUEST_FIELDS = ("id", "priority", "weight", "ttft_slo", "tpot_slo", "prompt_len", "output_len", "arrival")
+_RESULT_FIELDS = tuple(f for f in Result.__dataclass_fields__)
+
+
+def load_records(path: str | Path) -> tuple[list[Request], list[Result], list[dict]]:
+    """Read a run's ``requests.jsonl`` (or the directory holding it): the workload
+    requests, their results and the raw records, in file order."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "requests.jsonl"
+    try:
+        lines = p.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    reqs, results, records = [], [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}:{n}: not valid JSON: {e.msg}") from None
+        missing = [k for k in _REQUEST_FIELDS + ("expected_tokens", "token_times") if k not in rec] \
+            if isinstance(rec, dict) else ["(not an object)"]
+        if missing:
+            raise ConfigError(f"{p}:{n}: not a load generator record (missing {', '.join(missing)})")
+        reqs.append(Request(**{k: rec[k] for k in _REQUEST_FIELDS}))
+        results.append(Result(**{k: rec[k] for k in _RESULT_FIELDS if k in rec}))
+        records.append(rec)
+    if not reqs:
+        raise ConfigError(f"{p}: no records")
+    return reqs, results, records
+
+
+def report_from_records(path: str | Path, gain: GainConfig | None = None) -> dict:
+    """The run's summary recomputed from ``requests.jsonl`` alone (JSON-clean, as in
+    ``summary.json``): ``metrics``, ``errors``, ``gain``, ``send_lag_s``,
+    ``malformed_chunks``. ``gain``: default the CLI's (w_p = mean prompt / mean
+    output of the records, w_d = 1); pass ``GainConfig(**summary["gain"])`` for a
+    run with ``--w-p``/``--w-d``. The client's event-loop stalls are not in the
+    records, so ``client_stalls`` is left out. On a run's own output every value
+    equals ``summary.json``'s.
+    """
+    reqs, results, _ = load_records(path)
+    summary = summarize_run(reqs, results, gain or workload_gain(reqs))
+    summary.pop("client_stalls")
+    return clean_json(summary)
+
+
+def have_matplotlib() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+PLOT_FILES = ("ttft_cdf.png", "tpot_cdf.png", "classes.png")
+
+
+def write_plots(out_dir: str | Path, records: Sequence[Mapping], summary: Mapping) -> list[Path]:
+    """PNG plots of one run in ``out_dir`` (see :data:`PLOT_FILES`): TTFT and TPOT
+    CDFs per class (the same requests the percentiles use; dotted lines: the
+    class SLOs) and TDG_Ratio / SLO attainment per class. Needs matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError("plots need matplotlib: pip install 'proserve[plot]' (or pass --no-plots)") from None
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    classes = sorted({r["priority"] for r in records})
+    colors = {c: f"C{i}" for i, c in enumerate(classes)}
+    out = []
+    # summarize()'s sets: TTFT of every request with a token, TPOT of finished ones with > 1 token
+    series = {
+        "ttft": ("TTFT (s)", "ttft_slo", lambda r: r.get("ttft") is not None),
+        "tpot": ("TPOT (s; unstreamed requests: 0)", "tpot_slo",
+                 lambda r: r.get("error") is None and (r.get("tokens") or 0) > 1 and r.get("tpot") is not None),
+    }
+    for key, (label, slo_key, keep) in series.items():
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        for c in classes:
+            v = np.sort([r[key] for r in records if r["priority"] == c and keep(r)])
+            if len(v):
+                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", color=colors[c],
+                        label=f"{c} (n={len(v)})")
+            for slo in sorted({r[slo_key] for r in records if r["priority"] == c}):
+                ax.axvline(slo, color=colors[c], linestyle=":", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if classes:
+            ax.legend(loc="lower right")
+        ax.set_title(f"{key.upper()} CDF per class (dotted: SLO)")
+        fig.tight_layout()
+        path = d / f"{key}_cdf.png"
+        fig.savefig(path, dpi=100)
+        out.append(path)
+    names = list(summary["metrics"])
+    fig = Figure(figsize=(7, 3.5))
+    for i, (mkey, title) in enumerate((("tdg_ratio", "TDG_Ratio"), ("slo_attainment", "SLO attainment"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        vals = [summary["metrics"][n].get(mkey) for n in names]
+        vals = [v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]
+        bars = ax.bar(names, vals, color=["0.5" if n == "all" else colors.get(n, "C9") for n in names])
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.1)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = d / "classes.png"
+    fig.savefig(path, dpi=100)
+    out.append(path)
+    return out
+
+
+class Progress:
+    """Progress of a run (``replay(progress=...)``): a tqdm bar on stderr when tqdm
+    imports (``use_tqdm=None``), else a one-line ``done/total`` count rewritten at
+    most every ``interval`` seconds. Call :meth:`close` at the end."""
+
+    def __init__(self, total: int, use_tqdm: bool | None = None, file=None, interval: float = 0.5):
+        self.total, self.file, self.interval = total, file or sys.stderr, interval
+        self.errors, self.done, self._last = 0, 0, -math.inf
+        self._t0 = time.monotonic()
+        self.bar = None
+        if use_tqdm is not False:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                if use_tqdm:
+                    raise
+            else:
+                self.bar = tqdm(total=total, unit="req", desc="requests", file=self.file, dynamic_ncols=True,
+                                smoothing=0.1, mininterval=0.2)
+                self.bar.set_postfix(errors=0, refresh=False)
+
+    def __call__(self, done: int, total: int, res: Result) -> None:
+        self.done = done
+        if not res.ok:
+            self.errors += 1
+        if self.bar is not None:
+            if not res.ok:
+                self.bar.set_postfix(errors=self.errors, refresh=False)
+            self.bar.update(1)
+            return
+        now = time.monotonic()
+        if done == total or now - self._last >= self.interval:
+            self._last = now
+            print(f"\r{done}/{total} requests done, {self.errors} errors, {now - self._t0:.0f} s",
+                  end="", file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.done:
+            print(file=self.file, flush=True)
 
 
 # --- command line -------------------------------------------------------------------------
@@ -693,7 +1091,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     w.add_argument("--format", dest="trace_format", choices=["azure", "burstgpt", "mooncake", "sharegpt"],
                    help="trace file format (default: sniffed)")
     w.add_argument("--num-requests", type=int, default=200, help="first N requests of the trace (default 200)")
-    w.add_argument("--seed", type=int, default=0, help="priority tags and prompt tokens (default 0)")
+    w.add_argument("--seed", type=int, default=0,
+                   help="priority tags, prompt tokens, Poisson arrivals, unstreamed picks (default 0)")
     w.add_argument("--classes", default=None,
                    help="JSON file [{name, weight, ttft_slo, tpot_slo}, ...] (default high w=2 / low w=1)")
     w.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO of every class, seconds")
@@ -711,31 +1110,62 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.loadgen",
-        description="Replay a workload against an OpenAI-compatible /v1/completions endpoint (streaming), "
-                    "timestamp every token, and report TDG_Ratio, SLO attainment, TTFT/TPOT percentiles and "
-                    "errors per priority class (scheduler.tdg.summarize, as the simulator). Exit status: 0, "
-                    "1 if any request ended in an error, 2 for a bad flag.")
-    ap.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8100 (or .../v1)")
+        description="Replay a workload (Azure, BurstGPT, Mooncake, ShareGPT or synthetic) against an "
+                    "OpenAI-compatible /v1/completions endpoint — a plain vLLM server, a ProServe worker, "
+                    "or the ProServe dispatcher (--api proserve) — streaming and timestamping every "
+                    "token, and report TDG_Ratio, SLO attainment, TTFT/TPOT percentiles, throughput and "
+                    "errors per priority class (scheduler.tdg.summarize, as the simulator) as a table, "
+                    "requests.jsonl + summary.json and PNG plots. Exit status: 0, 1 if any request ended "
+                    "in an error, 2 for a bad flag.")
+    ap.add_argument("--url", default=None,
+                    help="base URL, e.g. http://127.0.0.1:8100 (or .../v1); required unless --from-records")
+    ap.add_argument("--api", choices=APIS, default="vllm",
+                    help="how requests name their class and SLOs: 'vllm' (default): vllm_xargs, for a plain "
+                         "vLLM server or a ProServe worker; 'proserve': the dispatcher's 'priority' and "
+                         "'slo' {ttft_ms, tpot_ms} fields with the class's API key")
     ap.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")
-    ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    ap.add_argument("--api-key", default=None,
+                    help="sent as 'Authorization: Bearer KEY' (--api proserve: for classes without a "
+                         "--class-key / --keys entry)")
+    ap.add_argument("--class-key", action="append", default=[], metavar="CLASS=KEY",
+                    help="--api proserve: the API key of one class's requests (repeatable; over --keys)")
+    ap.add_argument("--keys", default=None, metavar="FILE",
+                    help="--api proserve: the dispatcher's keys file (TOML, or .json; [[keys]] key, client, "
+                         "class): each class uses the first key of that class")
     ap.add_argument("--rate", type=float, default=None,
-                    help="scale arrivals to this mean rate, req/s (default: the trace's own timing)")
+                    help="mean arrival rate, req/s (default: the trace's own timing)")
+    ap.add_argument("--arrivals", choices=ARRIVAL_MODES, default="trace",
+                    help="'trace' (default): the trace's timestamps, scaled to --rate; 'poisson': seeded "
+                         "exponential gaps of mean 1/--rate (needs --rate), lengths from the trace rows")
     add_workload_args(ap)
     c = ap.add_argument_group("requests")
+    c.add_argument("--stream-fraction", type=float, default=1.0, metavar="F",
+                   help="fraction of requests sent streamed, in [0, 1] (default 1); the others, chosen by "
+                        "--seed, are sent with \"stream\": false and all their tokens are timestamped when "
+                        "the response arrives")
     c.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
                    help=f"prompt token ids are drawn below this (default {DEFAULT_VOCAB}, the tiny model)")
     c.add_argument("--token-low", type=int, default=DEFAULT_TOKEN_LOW,
                    help=f"lowest prompt token id (default {DEFAULT_TOKEN_LOW}: skips pad/bos/eos)")
     c.add_argument("--no-xargs", action="store_true",
-                   help="do not send vllm_xargs (priority_class, weight, SLOs, arrival_time)")
+                   help="--api vllm: do not send vllm_xargs (priority_class, weight, SLOs, arrival_time), "
+                        "e.g. for stock vLLM scheduling")
     c.add_argument("--no-token-ids", action="store_true",
-                   help="do not ask for token_ids; count one token per non-empty text chunk")
+                   help="do not ask for token_ids; count one token per non-empty text chunk "
+                        "(unstreamed: usage.completion_tokens)")
     c.add_argument("--body", default=None, metavar="JSON", help="extra fields merged into every request body")
     c.add_argument("--class-body", action="append", default=[], metavar="CLASS=JSON",
                    help="extra body fields of one class's requests, e.g. high='{\"priority\": 0}' (repeatable)")
     c.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds (default 600)")
-    ap.add_argument("--out", default=None, help="directory for requests.jsonl and summary.json")
-    ap.add_argument("--quiet", action="store_true", help="no progress line")
+    o = ap.add_argument_group("output")
+    o.add_argument("--out", default=None, help="directory for requests.jsonl, summary.json and the plots")
+    o.add_argument("--plots", action=argparse.BooleanOptionalAction, default=None,
+                   help="write ttft_cdf.png, tpot_cdf.png and classes.png into --out (default: on when "
+                        "matplotlib imports and --out is given)")
+    o.add_argument("--from-records", default=None, metavar="PATH",
+                   help="send nothing: re-score a run's requests.jsonl (or its directory) and print its "
+                        "table (plots into --out if given); --w-p/--w-d as for the run")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
 
@@ -754,33 +1184,72 @@ def client_config(args) -> ClientConfig:
         raise ConfigError("--body must be a JSON object")
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
+    check_fraction(args.stream_fraction, "--stream-fraction")
     return ClientConfig(base_url=args.url, model=args.model, api_key=args.api_key, vocab=args.vocab,
                         token_low=args.token_low, seed=args.seed, send_xargs=not args.no_xargs,
                         return_token_ids=not args.no_token_ids, body=body, class_body=class_body,
-                        request_timeout=args.timeout)
+                        request_timeout=args.timeout, api=args.api,
+                        class_keys=parse_class_keys(args.class_key, args.keys),
+                        stream_fraction=args.stream_fraction)
 
 
 def workload_from_args(args, rate: float | None) -> list[Request]:
     classes = load_classes(args.classes, args.ttft_slo, args.tpot_slo)
     return make_workload(args.trace, rate, args.num_requests, args.seed, classes, args.trace_format,
-                         args.prompt_div, args.output_div, args.max_prompt, args.max_model_len)
+                         args.prompt_div, args.output_div, args.max_prompt, args.max_model_len,
+                         args.arrivals)
 
 
-def _progress(done: int, total: int, res: Result) -> None:
-    if done == total or done % 20 == 0:
-        print(f"\r{done}/{total} done", end="\n" if done == total else "", file=sys.stderr, flush=True)
+def want_plots(args) -> bool:
+    """``--plots`` / ``--no-plots`` / default (on with matplotlib and --out)."""
+    if args.plots is False:
+        return False
+    if args.plots is None:
+        return args.out is not None and have_matplotlib()
+    if not args.out:
+        raise ConfigError("--plots writes PNG files into --out: pass --out DIR")
+    if not have_matplotlib():
+        raise ConfigError("--plots needs matplotlib (pip install 'proserve[plot]'); or pass --no-plots")
+    return True
+
+
+def _rescore(args, plots: bool) -> int:
+    reqs, _, records = load_records(args.from_records)
+    summary = report_from_records(args.from_records, workload_gain(reqs, args.w_p, args.w_d))
+    print(format_summary(summary))
+    if plots:
+        paths = write_plots(args.out, records, summary)
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 1 if summary["metrics"]["all"]["errors"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        plots = want_plots(args)
+        if args.from_records:
+            return _rescore(args, plots)
+        if not args.url:
+            raise ConfigError("--url is required (or --from-records PATH to re-score a run)")
+        if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+            raise ConfigError(f"--rate must be a number > 0 (req/s), got {args.rate}")
         cfg = client_config(args)
         reqs = workload_from_args(args, args.rate)
-        unknown = sorted(set(cfg.class_body) - {r.priority for r in reqs} - set(load_classes(args.classes)))
-        if unknown:
-            raise ConfigError(f"--class-body: unknown class(es) {', '.join(unknown)}")
+        known = {r.priority for r in reqs} | set(load_classes(args.classes))
+        for flag, names in (("--class-body", cfg.class_body),
+                            ("--class-key", [i.partition("=")[0] for i in args.class_key])):
+            unknown = sorted(set(names) - known)
+            if unknown:
+                raise ConfigError(f"{flag}: unknown class(es) {', '.join(unknown)} "
+                                  f"(classes: {', '.join(sorted(known))})")
+        cfg.check(r.priority for r in reqs)
         gain = workload_gain(reqs, args.w_p, args.w_d)
-        run = asyncio.run(replay(reqs, cfg, None if args.quiet else _progress))
+        progress = None if args.quiet else Progress(len(reqs))
+        try:
+            run = asyncio.run(replay(reqs, cfg, progress))
+        finally:
+            if progress is not None:
+                progress.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -788,9 +1257,17 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(summary))
     print(f"{len(reqs)} requests in {run.wall_s:.1f} s")
     if args.out:
-        meta = {"url": args.url, "rate": args.rate, "argv": sys.argv[1:] if argv is None else argv}
-        write_outputs(args.out, reqs, run, gain, summary, meta)
+        meta = {"url": args.url, "api": args.api, "rate": args.rate, "arrivals": args.arrivals,
+                "stream_fraction": args.stream_fraction, "trace": args.trace,
+                "argv": sys.argv[1:] if argv is None else argv}
+        records = write_outputs(args.out, reqs, run, gain, summary, meta)
         print(f"wrote {args.out}/requests.jsonl and summary.json")
+        if plots:
+            try:
+                paths = write_plots(args.out, records, clean_json(summary))
+                print(f"wrote {', '.join(p.name for p in paths)}")
+            except Exception as e:   # a plot must not lose a run whose results are written
+                print(f"error: plots not written: {type(e).__name__}: {e}", file=sys.stderr)
     return 1 if summary["metrics"]["all"]["errors"] else 0
 
 
