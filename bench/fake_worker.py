@@ -171,13 +171,24 @@ class FakeWorker:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=9100)
-    ap.add_argument("--prefill-s", type=float, default=0.0)
-    ap.add_argument("--decode-s", type=float, default=0.0)
+    ap.add_argument("--port", type=int, default=9100, help="port of the first fake worker")
+    ap.add_argument("--count", type=int, default=1, help="fake workers on consecutive ports (default 1)")
+    ap.add_argument("--prefill-s", type=float, default=0.0, help="seconds before the first token")
+    ap.add_argument("--decode-s", type=float, default=0.0, help="seconds between tokens")
     args = ap.parse_args(argv)
-    w = FakeWorker(port=args.port, host=args.host, prefill_s=args.prefill_s, decode_s=args.decode_s,
-                   keep_bodies=False)
-    web.run_app(w.app(), host=args.host, port=args.port, access_log=None)
+    if args.count < 1:
+        raise SystemExit(f"error: --count must be >= 1, got {args.count}")
+
+    async def serve():
+        ws = [await FakeWorker(port=args.port + i, host=args.host, prefill_s=args.prefill_s,
+                               decode_s=args.decode_s, keep_bodies=False).start() for i in range(args.count)]
+        print(f"{len(ws)} fake workers on {ws[0].url} .. {ws[-1].url}", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

