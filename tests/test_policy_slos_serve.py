@@ -372,6 +372,34 @@ def test_memory_dimension_and_learned_output_length():
     assert pol.tier(burst[0]) is None
 
 
+def test_best_effort_starts_no_prefill_while_arrivals_are_declined_for_memory():
+    pol = fig3_policy(output_len_prior=10.0)              # 6 + 10 tokens: one block each
+    burst = [fig3_req(f"new{i}", 0.0) for i in range(4)]
+    pol.schedule(InstanceView(0.0, burst, [], free_blocks=2, mode=PREFILL_ONLY))
+    assert pol.last.declined == ["new2", "new3"]            # no memory for them
+    burst[0].advance_prefill(4, 0.5)                         # admitted, 2 tokens left
+    view = lambda now: InstanceView(now, [burst[0], burst[2], burst[3]], [], free_blocks=100,  # noqa: E731
+                                    mode=PREFILL_ONLY)
+    # memory is free again, but within the horizon (TTFT 6) of a memory decline: no new BE prefill
+    plan = pol.schedule(view(1.0))
+    assert [(r.id, n) for r, n in plan.prefill] == [("new0", 2)]
+    # after it, the leftover 4 tokens go to the oldest best-effort request
+    plan = pol.schedule(view(6.5))
+    assert [(r.id, n) for r, n in plan.prefill] == [("new0", 2), ("new2", 4)]
+
+
+def test_mem_growth_horizon_counts_only_the_planned_growth():
+    # ô = 100: "peak" counts 6 + 100 tokens = 7 blocks, more than the 2 free; "horizon"
+    # counts the growth within TTFT/TPOT = 6 tokens: 12 tokens = 1 block each
+    burst = [fig3_req(f"new{i}", 0.0) for i in range(3)]
+    peak = fig3_policy(output_len_prior=100.0)
+    peak.schedule(InstanceView(0.0, burst, [], free_blocks=2, mode=PREFILL_ONLY))
+    assert peak.last.admitted == [] and peak.last.declined == ["new0", "new1", "new2"]
+    hor = fig3_policy(output_len_prior=100.0, mem_growth="horizon")
+    hor.schedule(InstanceView(0.0, burst, [], free_blocks=2, mode=PREFILL_ONLY))
+    assert hor.last.admitted == ["new0", "new1"] and hor.last.declined == ["new2"]
+
+
 def test_overload_declines_but_every_request_finishes():
     from bench.workloads import build_workload
     from profiler.modelfile import BUNDLED, load
@@ -461,6 +489,7 @@ def test_policy_and_router_never_read_output_len(deployment):
     (dict(decode_cost="free"), "decode_cost"), (dict(max_new=0), "max_new"), (dict(max_new=1.5), "max_new"),
     (dict(roofline_pieces=3), "roofline_pieces"), (dict(fit_max_time=0.0), "fit_max_time"),
     (dict(mem_units=-1), "mem_units"), (dict(output_len_prior=0), "output_len_prior"),
+    (dict(mem_growth="all"), "mem_growth"),
 ])
 def test_policy_parameters_are_validated(params, match):
     with pytest.raises(ConfigError, match=match):
