@@ -1,5 +1,7 @@
 """bench.loadgen: workload → arrival schedule, SSE parsing, results → Requests,
-error accounting, and the HTTP client against a small fake server.
+error accounting, the HTTP client against a small fake server (and, for
+``--api proserve``, against the real dispatcher in front of bench.fake_worker),
+the report (records → summary, plots), progress and argument errors.
 
 The fake server (aiohttp.web) is a test double of the HTTP/SSE protocol only:
 it streams canned chunks, fails on purpose, or cuts the stream. Nothing here
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 
 import numpy as np
@@ -249,6 +252,13 @@ class Fake:
             await asyncio.sleep(5)
         if mode == "block":
             time.sleep(0.2)   # blocks the event loop the client shares with this server
+        if body.get("stream") is False:
+            await asyncio.sleep(0.01 * n)
+            choice = {"index": 0, "text": "", "finish_reason": "length"}
+            if mode != "usage_only":
+                choice["token_ids"] = list(range(n))
+            usage = {"completion_tokens": n + (1 if mode == "bad_usage" else 0)}
+            return web.json_response({"choices": [choice], "usage": usage})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
 
@@ -421,3 +431,323 @@ def test_replay_records_client_event_loop_stalls():
     assert s["client_stalls"]["count"] == 1 and s["client_stalls"]["max_s"] == run.stalls[0]
     assert "event-loop stalls > 50.0 ms: 1" in lg.format_summary(s)
     assert lg.summarize_run(reqs, run.results, GainConfig())["client_stalls"]["count"] == 0
+
+
+# --- issue 5: proserve API, arrivals, unstreamed requests, reports ---------------------------
+
+def test_request_body_proserve_fields_and_unstreamed():
+    cfg = lg.ClientConfig("http://x", api="proserve", class_keys={"high": "sk-high-000001"},
+                          api_key="sk-any-00000001", class_body={"low": {"top_k": 3}})
+    hi = lg.request_body(req(0, "high", ttft=0.5, tpot=0.05), [5, 6], "m", cfg, arrival_unix=1.0)
+    assert hi["priority"] == "high" and hi["slo"] == {"ttft_ms": 500.0, "tpot_ms": 50.0}
+    assert "vllm_xargs" not in hi and hi["return_token_ids"] is True
+    assert hi["stream"] is True and hi["stream_options"] == {"include_usage": True}
+    lo = lg.request_body(req(1, "low"), [5], "m", cfg, stream=False)
+    assert lo["stream"] is False and "stream_options" not in lo and lo["top_k"] == 3
+    assert lo["priority"] == "low" and lo["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 100.0}
+    # vLLM API, unstreamed: still the xargs, no stream_options (vLLM rejects them unstreamed)
+    v = lg.request_body(req(1, "low"), [5], "m", lg.ClientConfig("http://x"), stream=False)
+    assert v["stream"] is False and "stream_options" not in v and v["vllm_xargs"]["priority_class"] == "low"
+    assert "priority" not in v and "slo" not in v
+    # keys: the class's own, else --api-key; vllm sends --api-key only
+    assert cfg.headers_for("high")["Authorization"] == "Bearer sk-high-000001"
+    assert cfg.headers_for("low")["Authorization"] == "Bearer sk-any-00000001"
+    assert "Authorization" not in lg.ClientConfig("http://x").headers_for("high")
+
+
+def test_keys_file_and_missing_class_key(tmp_path):
+    toml = tmp_path / "keys.toml"
+    toml.write_text('[[keys]]\nkey = "sk-high-000001"\nclient = "acme"\nclass = "high"\nttft_ms = [100, 10000]\n'
+                    '[[keys]]\nkey = "sk-high-000002"\nclient = "other"\nclass = "high"\n'
+                    '[[keys]]\nkey = "sk-low-0000001"\nclient = "batchco"\nclass = "low"\n')
+    assert lg.read_keys_file(toml) == {"high": "sk-high-000001", "low": "sk-low-0000001"}
+    js = tmp_path / "keys.json"
+    js.write_text(json.dumps({"keys": [{"key": "sk-low-0000009", "client": "b", "class": "low"}]}))
+    assert lg.read_keys_file(js) == {"low": "sk-low-0000009"}
+    # --class-key wins over the file
+    assert lg.parse_class_keys(["low=sk-mine"], str(toml)) == {"high": "sk-high-000001", "low": "sk-mine"}
+    for text, msg in (("[[keys]]\nkey = 'x'\n", "keys[0] needs a string 'key' and a string 'class'"),
+                      ("keys = [", "not valid TOML"), ("a = 1\n", "needs a non-empty list 'keys'")):
+        toml.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(msg)) as e:
+            lg.read_keys_file(toml)
+        assert str(e.value).startswith(f"--keys {toml}")
+    with pytest.raises(ConfigError, match="cannot read"):
+        lg.read_keys_file(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="--class-key expects CLASS=KEY"):
+        lg.parse_class_keys(["high"])
+    # every class of the workload needs a key, named in the message
+    cfg = lg.ClientConfig("http://x", api="proserve", class_keys={"high": "sk-high-000001"})
+    cfg.check(["high"])
+    with pytest.raises(ConfigError, match=r"no API key for class\(es\) 'low'.*--class-key"):
+        cfg.check(["high", "low"])
+    lg.ClientConfig("http://x", api="proserve", api_key="anything").check(["high", "low"])
+    with pytest.raises(ConfigError, match="--class-key/--keys apply only to --api proserve"):
+        lg.ClientConfig("http://x", class_keys={"high": "k"}).check(["high"])
+    with pytest.raises(ConfigError, match="--no-xargs applies only to --api vllm"):
+        lg.ClientConfig("http://x", api="proserve", api_key="k", send_xargs=False).check(["high"])
+
+
+def test_poisson_arrivals_seeded_with_trace_lengths():
+    a = lg.make_workload("azure", rate=5.0, num_requests=600, seed=1, arrivals="poisson")
+    trace = lg.make_workload("azure", rate=5.0, num_requests=600, seed=1)
+    gaps = np.diff(lg.send_offsets(a))
+    assert gaps.mean() == pytest.approx(1 / 5.0, rel=0.12)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.15)   # exponential: CV 1
+    assert (gaps >= 0).all() and len(set(np.round(gaps, 9))) > 500
+    # lengths and classes from the trace rows, in order; the times are not the trace's
+    assert [(r.prompt_len, r.output_len, r.priority) for r in a] == \
+           [(r.prompt_len, r.output_len, r.priority) for r in trace]
+    assert not np.allclose(lg.send_offsets(a), lg.send_offsets(trace))
+    # seeded
+    again = lg.make_workload("azure", rate=5.0, num_requests=600, seed=1, arrivals="poisson")
+    assert lg.send_offsets(again) == lg.send_offsets(a)
+    other = lg.make_workload("azure", rate=5.0, num_requests=600, seed=2, arrivals="poisson")
+    assert lg.send_offsets(other) != lg.send_offsets(a)
+    with pytest.raises(ConfigError, match="--arrivals poisson needs --rate"):
+        lg.make_workload("azure", num_requests=10, arrivals="poisson")
+    with pytest.raises(ConfigError, match="arrivals must be one of"):
+        lg.make_workload("azure", rate=1.0, num_requests=10, arrivals="gamma")
+
+
+def test_stream_flags_exact_seeded_fraction():
+    f = lg.stream_flags(100, 0.3, seed=4)
+    assert sum(f) == 30 and f == lg.stream_flags(100, 0.3, seed=4) and f != lg.stream_flags(100, 0.3, seed=5)
+    assert lg.stream_flags(7, 1.0) == [True] * 7 and lg.stream_flags(7, 0.0) == [False] * 7
+    assert sum(lg.stream_flags(3, 0.5)) == 2
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ConfigError, match="stream_fraction must be a number in"):
+            lg.stream_flags(10, bad)
+
+
+def test_parse_response_unstreamed():
+    ok = lg.parse_response(b'{"choices":[{"index":0,"text":"","token_ids":[1,2,3],"finish_reason":"length"}],'
+                           b'"usage":{"completion_tokens":3}}')
+    assert (ok.tokens, ok.usage_tokens, ok.finish_reason, ok.done, ok.malformed) == (3, 3, "length", True, None)
+    usage_only = lg.parse_response('{"choices":[{"index":0,"text":"a b"}],"usage":{"completion_tokens":2}}')
+    assert usage_only.tokens == 2
+    # --no-token-ids: the usage count, not the token ids
+    assert lg.parse_response('{"choices":[{"index":0,"token_ids":[1]}],"usage":{"completion_tokens":4}}',
+                             token_ids=False).tokens == 4
+    assert "neither" in lg.parse_response('{"choices":[{"index":0,"text":"abc"}]}').malformed
+    assert lg.parse_response("nope").malformed and lg.parse_response("[]").malformed
+    assert lg.parse_response('{"error":{"message":"bad","code":400}}').error == "(400) bad"
+
+
+def test_replay_unstreamed_tokens_stamped_at_response():
+    from bench.fake_worker import FakeWorker
+    reqs = [req(i, "high" if i % 2 else "low", arrival=0.05 * i, output=6) for i in range(8)]
+
+    async def go():
+        w = await FakeWorker(decode_s=0.02).start()
+        try:
+            return w, await lg.replay(reqs, lg.ClientConfig(w.url, stream_fraction=0.5, seed=3))
+        finally:
+            await w.stop()
+
+    w, run = asyncio.run(go())
+    flags = lg.stream_flags(8, 0.5, 3)
+    assert [r.stream for r in run.results] == flags and sum(flags) == 4
+    assert sorted(b["stream"] for b in w.received) == sorted(flags)
+    for r in run.results:
+        assert r.ok, r.error
+        assert len(r.token_times) == 6 and r.usage_tokens == 6 and r.done
+        if r.stream:   # one chunk per token, decode_s apart
+            assert r.token_times[-1] - r.token_times[0] > 4 * 0.02
+        else:          # everything at the response's time, after the whole generation
+            assert len(set(r.token_times)) == 1
+            assert r.token_times[0] - r.sent >= 5 * 0.02
+    conv = [lg.to_request(q, r) for q, r in zip(reqs, run.results)]
+    assert all(c.tpot == 0.0 for c, f in zip(conv, flags) if not f)
+    s = lg.summarize_run(reqs, run.results, GainConfig())
+    assert s["metrics"]["all"]["unstreamed"] == 4
+    assert s["metrics"]["high"]["unstreamed"] + s["metrics"]["low"]["unstreamed"] == 4
+
+
+@pytest.mark.parametrize("mode,expect", [
+    ("usage_only", None),
+    ("bad_usage", "usage reports 5 tokens, the stream carried 4"),
+    ("reject", "HTTP 400: vllm_xargs.ttft_slo"),
+])
+def test_replay_unstreamed_counts_and_errors(mode, expect):
+    reqs = [req(0, "high", 0.0, output=4)]
+
+    async def go(url):
+        cfg = lg.ClientConfig(url, model="m", stream_fraction=0.0, class_body=_modes({"high": mode}))
+        return await lg.replay(reqs, cfg)
+
+    fake, run = asyncio.run(_with_fake(go))
+    r = run.results[0]
+    assert fake.bodies[0]["stream"] is False and not r.stream
+    if expect is None:
+        assert r.ok and len(r.token_times) == 4
+    else:
+        assert not r.ok and expect in r.error
+
+
+def test_replay_proserve_sends_priority_slo_and_class_keys():
+    reqs = [req(i, "high" if i % 2 else "low", arrival=0.02 * i, output=3, ttft=0.8, tpot=0.04) for i in range(6)]
+
+    async def go(url):
+        cfg = lg.ClientConfig(url, api="proserve", class_keys={"high": "sk-h", "low": "sk-l"})
+        return await lg.replay(reqs, cfg)
+
+    fake, run = asyncio.run(_with_fake(go))
+    assert all(r.ok for r in run.results)
+    for b, h in zip(fake.bodies, fake.headers):
+        assert "vllm_xargs" not in b and b["return_token_ids"] is True
+        assert b["slo"] == {"ttft_ms": 800.0, "tpot_ms": 40.0}
+        assert h["Authorization"] == {"high": "Bearer sk-h", "low": "Bearer sk-l"}[b["priority"]]
+    assert sorted(b["priority"] for b in fake.bodies) == ["high"] * 3 + ["low"] * 3
+    with pytest.raises(ConfigError, match="no API key"):
+        asyncio.run(lg.replay(reqs, lg.ClientConfig("http://127.0.0.1:1", api="proserve")))
+
+
+def _run_cli_against_fake_worker(argv, decode_s=0.001):
+    from bench.fake_worker import FakeWorker
+
+    async def go():
+        w = await FakeWorker(decode_s=decode_s, keep_bodies=False).start()
+        try:
+            return await asyncio.to_thread(lg.main, ["--url", w.url, *argv])
+        finally:
+            await w.stop()
+
+    return asyncio.run(go())
+
+
+def test_cli_100_mixed_requests_report_equals_records(tmp_path, capsys):
+    out = tmp_path / "run"
+    plots = ["--plots"] if lg.have_matplotlib() else ["--no-plots"]
+    rc = _run_cli_against_fake_worker(["--num-requests", "100", "--rate", "50", "--arrivals", "poisson",
+                                       "--stream-fraction", "0.5", "--prompt-div", "20", "--output-div", "20",
+                                       "--out", str(out), "--quiet", *plots])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "TDG_Ratio" in text and "SLO_att" in text and "out_tok/s" in text
+    assert "unstreamed: 50 of 100 requests" in text
+    recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(recs) == 100 and sum(not r["stream"] for r in recs) == 50
+    assert {r["priority"] for r in recs} == {"high", "low"}
+    assert all(len(set(r["token_times"])) == 1 for r in recs if not r["stream"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["api"] == "vllm" and summary["arrivals"] == "poisson" and summary["stream_fraction"] == 0.5
+    rep = lg.report_from_records(out / "requests.jsonl")
+    assert set(rep) == {"metrics", "errors", "gain", "send_lag_s", "malformed_chunks"}
+    assert rep == {k: summary[k] for k in rep}
+    assert rep["metrics"]["all"]["requests"] == 100 and rep["metrics"]["all"]["unstreamed"] == 50
+    # the per-class numbers are the records' own: recount two by hand
+    for c in ("high", "low"):
+        mine = [r for r in recs if r["priority"] == c]
+        assert summary["metrics"][c]["slo_attainment"] == pytest.approx(
+            sum(r["slo_met"] for r in mine) / len(mine))
+        assert summary["metrics"][c]["tdg_ratio"] == pytest.approx(
+            sum(r["tdg"] for r in mine) / sum(r["ideal_gain"] for r in mine))
+        assert summary["metrics"][c]["ttft_p90"] == pytest.approx(np.percentile([r["ttft"] for r in mine], 90))
+    # a changed record changes the report
+    recs[0]["token_times"] = [t + 100.0 for t in recs[0]["token_times"]]
+    (tmp_path / "tampered.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert lg.report_from_records(tmp_path / "tampered.jsonl")["metrics"] != rep["metrics"]
+    if lg.have_matplotlib():
+        for name in lg.PLOT_FILES:
+            data = (out / name).read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    # --from-records prints the same table without sending anything
+    assert lg.main(["--from-records", str(out), "--no-plots"]) == 0
+    again = capsys.readouterr().out
+    assert again.splitlines()[:4] == text.splitlines()[:4]
+
+
+def test_plots_written_for_errors_and_classes(tmp_path):
+    pytest.importorskip("matplotlib")
+    reqs = [req(0, "high", 0.0, output=3), req(1, "low", 0.0, output=3)]
+    res = [lg.Result("r0", "high", 0.0, 3, status=200, token_times=[0.5, 0.55, 0.6], done=True).finish(),
+           lg.Result("r1", "low", 0.0, 3, error="ClientConnectorError: refused")]
+    gain = GainConfig()
+    summary = lg.clean_json(lg.summarize_run(reqs, res, gain))
+    recs = lg.clean_json(lg.result_records(reqs, res, gain))
+    paths = lg.write_plots(tmp_path / "p", recs, summary)
+    assert [p.name for p in paths] == list(lg.PLOT_FILES) and all(p.stat().st_size > 5000 for p in paths)
+
+
+def test_cli_proserve_against_dispatcher(tmp_path):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    from dispatcher_helpers import KEYS, harness
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    out = tmp_path / "run"
+
+    async def go(argv):
+        async with harness(worker_kw={"decode_s": 0.001}) as h:
+            rc = await asyncio.to_thread(lg.main, ["--url", h.url, "--api", "proserve", *argv])
+            return rc, [b for w in h.decodes for b in w.received]
+
+    rc, decoded = asyncio.run(go(["--keys", str(keys), "--num-requests", "16", "--rate", "40",
+                                  "--stream-fraction", "0.5", "--prompt-div", "50", "--output-div", "50",
+                                  "--out", str(out), "--quiet", "--no-plots"]))
+    assert rc == 0
+    recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert all(r["error"] is None and r["tokens"] == r["output_len"] for r in recs)
+    assert sum(not r["stream"] for r in recs) == 8
+    # the dispatcher turned each request's class and SLOs into the workers' xargs
+    from collections import Counter
+    assert Counter(b["vllm_xargs"]["priority_class"] for b in decoded) == Counter(r["priority"] for r in recs)
+    assert {b["vllm_xargs"]["ttft_slo"] for b in decoded} == {1.0}
+    assert lg.report_from_records(out) == {k: v for k, v in json.loads((out / "summary.json").read_text()).items()
+                                           if k in ("metrics", "errors", "gain", "send_lag_s", "malformed_chunks")}
+    # the high class sent with the low class's key: the dispatcher refuses it (403), counted per class
+    rc, _ = asyncio.run(go(["--class-key", "high=sk-low-0000001", "--class-key", "low=sk-low-0000001",
+                            "--num-requests", "6", "--rate", "40", "--prompt-div", "50", "--output-div", "50",
+                            "--out", str(out), "--quiet", "--no-plots"]))
+    s = json.loads((out / "summary.json").read_text())
+    assert rc == 1 and s["errors"]["low"]["errors"] == 0 and s["errors"]["high"]["errors"] == s["errors"]["high"]["requests"] > 0
+    assert all(k.startswith("HTTP 403") for k in s["errors"]["high"]["by_error"])
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--api", "proserve", "--class-key", "high=sk-high-000001"], "no API key for class(es) 'low'"),
+    (["--api", "proserve", "--keys", "/nonexistent/keys.toml"], "--keys /nonexistent/keys.toml: cannot read"),
+    (["--class-key", "high=k"], "--class-key/--keys apply only to --api proserve"),
+    (["--api", "proserve", "--api-key", "k", "--class-key", "gold=k"], "--class-key: unknown class(es) gold"),
+    (["--api", "proserve", "--api-key", "k", "--no-xargs"], "--no-xargs applies only to --api vllm"),
+    (["--stream-fraction", "1.5"], "--stream-fraction must be a number in [0, 1], got 1.5"),
+    (["--stream-fraction", "nan"], "--stream-fraction must be a number in [0, 1]"),
+    (["--arrivals", "poisson"], "--arrivals poisson needs --rate"),
+    (["--rate", "0"], "--rate must be a number > 0"),
+    (["--plots"], "--plots writes PNG files into --out"),
+])
+def test_cli_bad_arguments_rejected_naming_the_flag(argv, msg, capsys):
+    assert lg.main(["--url", "http://127.0.0.1:1", "--num-requests", "10", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err, err
+
+
+def test_cli_needs_url_or_records(capsys, tmp_path):
+    assert lg.main(["--num-requests", "5"]) == 2
+    assert "--url is required" in capsys.readouterr().err
+    (tmp_path / "requests.jsonl").write_text('{"id": "r0"}\n')
+    assert lg.main(["--from-records", str(tmp_path)]) == 2
+    assert "not a load generator record" in capsys.readouterr().err
+
+
+def test_progress_plain_line_and_tqdm():
+    import io
+    ok = lg.Result("r0", "high", 0.0, 1)
+    bad = lg.Result("r1", "high", 0.0, 1, error="boom")
+    f = io.StringIO()
+    p = lg.Progress(3, use_tqdm=False, file=f, interval=0.0)
+    for i, r in enumerate((ok, bad, ok), 1):
+        p(i, 3, r)
+    p.close()
+    lines = f.getvalue().split("\r")
+    assert "1/3 requests done, 0 errors" in lines[1] and "3/3 requests done, 1 errors" in lines[-1]
+    assert f.getvalue().endswith("\n") and p.bar is None
+    pytest.importorskip("tqdm")
+    f = io.StringIO()
+    p = lg.Progress(2, file=f)
+    p(1, 2, bad)
+    p(2, 2, ok)
+    p.close()
+    assert p.bar is not None and "2/2" in f.getvalue() and "errors=1" in f.getvalue()
