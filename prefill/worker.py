@@ -61,8 +61,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         help="when KV never arrives: recompute the prompt locally (default) or fail the request")
     ap.add_argument("--kv-extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra kv_connector_extra_config entry (repeatable), e.g. debug_dump_dir=/tmp/kv")
-    ap.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=None,
-                    help="serve token-id prompts only (default: on for the bundled tiny model)")
+    ap.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False,
+                    help="load no tokenizer: token-id prompts only, no text prompts, chat or /tokenize "
+                         "(default off; the bundled tiny model has a tokenizer, scripts/make_tiny_tokenizer.py)")
     sg = ap.add_argument_group(
         "batch scheduling",
         "The engine's batches are formed by a ProServe local policy through the vLLM scheduler plugin "
@@ -125,7 +126,11 @@ def kv_transfer_config(role: str, args) -> dict:
 def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     tiny = Path(args.model).resolve() == TINY_MODEL
     load_format = args.load_format or ("dummy" if tiny else "auto")
-    skip_tok = args.skip_tokenizer_init if args.skip_tokenizer_init is not None else tiny
+    skip_tok = args.skip_tokenizer_init
+    if tiny and not skip_tok and not (TINY_MODEL / "tokenizer.json").is_file():
+        raise SystemExit(f"error: the bundled tiny model has no tokenizer ({TINY_MODEL / 'tokenizer.json'} is "
+                         "missing): run scripts/make_tiny_tokenizer.py, or pass --skip-tokenizer-init to serve "
+                         "token-id prompts only")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", args.model, "--load-format", load_format, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
