@@ -143,8 +143,6 @@ def _read_list(path: str) -> list:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.log_level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per upstream call otherwise
     try:
         cfg = config_from_args(args)
         keys = load_keys(args.keys, cfg.classes) if args.keys else None

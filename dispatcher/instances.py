@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from decode.status import StatusError, free_kv_blocks
 from profiler import modelfile
@@ -85,9 +85,9 @@ def _estimator(spec: PrefillSpec) -> Estimator:
 
 
 class Registry:
-    def __init__(self, cfg: DispatcherConfig, client: httpx.AsyncClient):
+    def __init__(self, cfg: DispatcherConfig, owner):
         self.cfg = cfg
-        self.client = client
+        self._owner = owner          # has .http, the dispatcher's aiohttp session
         self.prefill: list[PrefillWorker] = []
         for i, s in enumerate(cfg.prefill):
             w = PrefillWorker("prefill", s.name, s.url.rstrip("/"))
@@ -107,18 +107,19 @@ class Registry:
 
     # -- health ----------------------------------------------------------------------------
     async def check(self, w: Worker) -> bool:
-        t = self.cfg.health_interval_s
+        http = self._owner.http
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.cfg.health_interval_s))
         try:
-            r = await self.client.get(w.url + "/health", timeout=max(2.0, t))
-            if r.status_code != 200:
-                raise OSError(f"/health answered {r.status_code}")
+            async with http.get(w.url + "/health", timeout=timeout) as r:
+                if r.status != 200:
+                    raise OSError(f"/health answered {r.status}")
             if w.model is None:
-                r = await self.client.get(w.url + "/v1/models", timeout=max(2.0, t))
-                data = r.json()["data"][0]
+                async with http.get(w.url + "/v1/models", timeout=timeout) as r:
+                    data = (await r.json(content_type=None))["data"][0]
                 w.model = data["id"]
                 w.max_model_len = data.get("max_model_len")
-            r = await self.client.get(w.url + "/metrics", timeout=max(2.0, t))
-            text = r.text
+            async with http.get(w.url + "/metrics", timeout=timeout) as r:
+                text = await r.text()
             if isinstance(w, PrefillWorker):
                 m = _BETA.search(text)
                 if m:
@@ -130,7 +131,8 @@ class Registry:
                 m = _BLOCK_SIZE.search(text)
                 if m:
                     w.block_size = int(m.group(1))
-        except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError, StatusError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError,
+                TypeError, StatusError) as e:
             w.fails += 1
             why = f"health check failed: {type(e).__name__}: {e}"
             if w.fails >= self.cfg.health_failures or not w.healthy:
