@@ -58,3 +58,15 @@ def check_positive(where: str, **values: float) -> None:
     for k, v in values.items():
         if not isinstance(v, (int, float)) or v != v or v <= 0:
             raise ConfigError(f"{where}: {k} must be > 0, got {v!r}")
+
+
+def check_in_range(where: str, name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
+    """``v`` as a float if it is a number in the interval (lo/hi open or closed), else a
+    ConfigError naming ``where``, ``name`` and the interval."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and v == v
+    if ok:
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ConfigError(f"{where}: {name} must be a number in {rng}, got {v!r}")
+    return float(v)

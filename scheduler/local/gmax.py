@@ -138,6 +138,7 @@ import heapq
 import math
 
 from ..length_bound import LengthBound
+from ..config import check_in_range
 from ..registry import register_local
 from ..request import ConfigError, Request
 from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
@@ -213,16 +214,6 @@ def _by_priority_desc(r: Request) -> float:
     return -r.density
 
 
-def _check_number(where: str, name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
-    if ok:
-        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ConfigError(f"{where}: {name} must be a number in {rng}, got {v!r}")
-    return float(v)
-
-
 @register_local
 class GMAX(LocalPolicy):
     name = "jitserve_gmax"
@@ -240,10 +231,10 @@ class GMAX(LocalPolicy):
         else:
             check_count(n, batch_size=batch_size)
             self.batch_size = int(batch_size)
-        self.cutoff = _check_number(n, "cutoff", cutoff, 0.0, 1.0, True, False)
+        self.cutoff = check_in_range(n, "cutoff", cutoff, 0.0, 1.0, True, False)
         check_count(n, frame_steps=frame_steps)
         self.frame_steps = int(frame_steps)
-        self.delta = _check_number(n, "delta", delta, 0.0, math.inf, False, True)
+        self.delta = check_in_range(n, "delta", delta, 0.0, math.inf, False, True)
         if token_budget is not None:
             check_count(n, token_budget=token_budget)
         self.token_budget = token_budget

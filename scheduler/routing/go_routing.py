@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..config import check_in_range
 from ..registry import register_global
 from ..request import ConfigError
 from .base import DISAGGREGATED, GlobalPolicy
@@ -79,16 +80,6 @@ class GoDecision:
     heavy: list[int] = field(default_factory=list)             # H
 
 
-def _number(where: str, name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
-    if ok:
-        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ConfigError(f"{where}: {name} must be a number in {rng}, got {v!r}")
-    return float(v)
-
-
 @register_global
 class GoRouting(GlobalPolicy):
     name = "go_routing"
@@ -98,9 +89,9 @@ class GoRouting(GlobalPolicy):
                  alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None,
                  fallback: str = "random"):
         super().__init__(gain, classes, deployment, seed)
-        self.alpha = _number(self.name, "alpha", alpha, 0.0, 1.0, True, False)
-        self.mu = _number(self.name, "mu", mu, 0.0, math.inf, False, True)
-        self.lam = _number(self.name, "lam", lam, 0.0, math.inf, True, True)
+        self.alpha = check_in_range(self.name, "alpha", alpha, 0.0, 1.0, True, False)
+        self.mu = check_in_range(self.name, "mu", mu, 0.0, math.inf, False, True)
+        self.lam = check_in_range(self.name, "lam", lam, 0.0, math.inf, True, True)
         if self.mu > self.lam:
             raise ConfigError(f"{self.name}: mu (lower threshold) must be <= lam (upper threshold), "
                               f"got mu={mu!r}, lam={lam!r}")
