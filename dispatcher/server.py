@@ -301,7 +301,7 @@ class Dispatcher:
         for attempt in range(2):
             p, d = self._route(job, bad)
             job.record.update(prefill=p.name, decode=d.name if d else None, attempts=attempt + 1)
-            sent = False
+            sent = decoding = False
             leg: Worker = p
             try:
                 if d is not None:
@@ -312,7 +312,11 @@ class Dispatcher:
                 if job.stream:
                     async for chunk in self._stream(leg, job.path, serve_body(job, xfer, True)):
                         if d is None and not sent:
-                            self._prefill_done(job, p)   # co-located: first token = prefill done
+                            # co-located: the first token is the prefill's completion signal, and
+                            # the request now adds to the instance's decode load n_d (§4.3)
+                            self._prefill_done(job, p)
+                            self.qmap.decode_started(p.state.id)
+                            decoding = True
                         sent = True
                         yield time.time(), chunk
                 else:
@@ -330,6 +334,8 @@ class Dispatcher:
                     logger.warning("request %s: %s; retrying on other instances", job.id, e)
             finally:
                 self._prefill_done(job, p)
+                if decoding:
+                    self.qmap.decode_finished(p.state.id)
         raise ApiError(502, "the request failed on two instances: " + " | ".join(errors))
 
     # -- accounting ------------------------------------------------------------------------------

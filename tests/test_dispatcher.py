@@ -101,6 +101,16 @@ def test_colocated_sends_the_whole_request_to_one_instance():
                 assert status == 200 and ev[-1] == "[DONE]"
             got = [len(w.received) for w in h.prefills]
             assert got == [2, 2]
+            # n_d (decodes running there) rises while a stream is out and falls after
+            h.prefills[0].decode_s = h.prefills[1].decode_s = 0.05
+            task = asyncio.create_task(h.stream("/v1/completions", body(max_tokens=20)))
+            for _ in range(100):
+                if sum(w.state.n_decode for w in h.d.registry.prefill) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert sum(w.state.n_decode for w in h.d.registry.prefill) == 1
+            await task
+            assert all(w.state.n_decode == 0 and w.state.queue == [] for w in h.d.registry.prefill)
             b = h.prefills[0].received[0]
             assert "kv_transfer_params" not in b and b["max_tokens"] == 5
     run(go())

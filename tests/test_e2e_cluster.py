@@ -159,6 +159,21 @@ def test_cluster_serves_100_mixed_priority_requests_and_stops_cleanly(tmp_path):
             assert st == status and msg in out["error"]["message"], (case, st, out)
         st, out = post(c.url, good)
         assert st == 200 and out["usage"]["completion_tokens"] == 4
+        # chat, streamed, with a text prompt (the tiny model has a tokenizer): every token
+        # reaches the client and the dispatcher counts them
+        req = urllib.request.Request(c.url + "/v1/chat/completions", data=json.dumps({
+            "messages": [{"role": "user", "content": "Hello ProServe"}], "max_tokens": 6, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}).encode(),
+            headers={"content-type": "application/json", "authorization": "Bearer sk-e2e-low-00001"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            events = [line[5:].strip() for line in r.read().decode().splitlines() if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        assert all("token_ids" not in ch["choices"][0] for ch in chunks if ch["choices"])
+        last = json.loads((c.run / "dispatcher-requests.jsonl").read_text().splitlines()[-1])
+        assert last["endpoint"] == "/v1/chat/completions" and last["output_tokens"] == 6
+        assert last["priority"] == "low" and last["prompt_tokens"] > 3
     finally:
         r = c.stop()
         stopped = True
