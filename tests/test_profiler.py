@@ -356,7 +356,10 @@ def test_quick_profile_of_the_tiny_model_on_a_real_engine(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = modelfile.load(out)
     assert all(getattr(m, k) >= 0 for k in COEFFS)
-    assert m.c_p > 0 and m.t_c > 0 and m.b_d > 0
+    assert m.c_p > 0 and m.t_c > 0
+    # a decode costs something; whether per request (b_d) or per KV token (a_d) shows depends
+    # on the CPU: on an AVX-512 host the quick grid's noise puts b_d at 0 (NNLS bound)
+    assert m.decode_time(512) > 0 and m.a_d + m.b_d > 0
     md = m.metadata
     assert math.isfinite(md["holdout_mape"]) and 0 < md["holdout_mape"] < 0.5
     assert math.isfinite(md["train_mape"]) and md["grid"] == "quick" and md["device"] == "cpu"
