@@ -9,7 +9,16 @@ Prints, each next to its target and to a baseline measured in the same run:
   with 64 queued requests each (target ≤ 1 ms at 32), beside Min-Load;
 * simulator wall time on the whole one-hour Azure conversation trace
   (19,366 requests, original timestamps) on 8 co-located instances with
-  SlideBatching + GoRouting (target < 60 s).
+  SlideBatching + GoRouting (target < 60 s);
+* every registered local policy's ``schedule()`` time at 1,000 queued requests
+  (one queue, built as above, the same for every policy), median and P90,
+  each as a multiple of SlideBatching's in the same run, after warm-up calls
+  (stateful policies: SLOs-Serve decides admission for at most ``max_new`` new
+  requests per call, GMAX re-decides its group every ``frame_steps`` calls;
+  those heavier calls are reported on their own lines);
+* every registered global policy's ``route()`` time at 32 instances × 64
+  queued (the same queues as the GoRouting part for every policy, after
+  warm-up routes), median and P90, as a multiple of GoRouting's.
 
     python scripts/bench_scheduler.py [--quick]
 """
@@ -17,6 +26,7 @@ Prints, each next to its target and to a baseline measured in the same run:
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -28,13 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.workloads import build_workload  # noqa: E402
 from profiler.modelfile import BUNDLED, load  # noqa: E402
-from scheduler import Estimator, GainConfig, Request, make_global, make_local  # noqa: E402
+from scheduler import Estimator, GainConfig, Request, make_global, make_local, registry  # noqa: E402
 from scheduler.local.base import InstanceView  # noqa: E402
 from scheduler.routing.base import PrefillInstance, PrefillQueueMap  # noqa: E402
 
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023.csv"
 MODEL = load(BUNDLED)
 GAIN = GainConfig(w_p=5.5, w_d=1.0)
+ROUNDS = 5   # the per-policy tables time each policy in this many blocks, the policies taking turns
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -115,6 +126,168 @@ def bench_global(sizes, per_queue: int, routes: int) -> None:
         print(f"{n_inst:>9} {g * 1e3:>9.3f} ms {m * 1e3:>7.3f} ms {g / m:>6.1f}{verdict}")
 
 
+def _pct(xs: list[float], q: float) -> float:
+    """The ⌈q·n⌉-th smallest of ``xs`` (q in (0, 1])."""
+    ys = sorted(xs)
+    return ys[max(0, min(len(ys) - 1, math.ceil(q * len(ys)) - 1))]
+
+
+def _ordered(names: list[str], first: str) -> list[str]:
+    return [first] + [n for n in names if n != first]
+
+
+def _heavy_call(name: str, pol) -> str | None:
+    """For stateful policies: a label if the call just made did extra work."""
+    if name == "slos_serve" and pol.last is not None and (pol.last.admitted or pol.last.declined):
+        return f"admission DP over up to {pol.max_new} new requests"
+    if name == "jitserve_gmax" and pol._frame_pos == 0:
+        return "frame boundary (group re-decided)"
+    return None
+
+
+def bench_local_all(n: int, warmup: int, repeat: int) -> None:
+    """Every registered local policy on one queue of ``n`` requests. The timed calls come in
+    ROUNDS blocks per policy, the policies taking turns, so that load from other processes on
+    the machine falls on every policy alike while each block runs with warm caches."""
+    names = _ordered(registry.local_names(), "slide_batching")
+    print(f"\nLocal policies: schedule() time at {n:,} queued (one queue, the same for every policy: "
+          f"{int(0.8 * n)} waiting / {n - int(0.8 * n)} decoding as drawn), "
+          f"first call on a fresh policy, then {warmup} warm-up calls, then median / P90 of {repeat} "
+          f"(in {ROUNDS} blocks per policy, the policies taking turns)")
+    print(f"{'policy':>18} {'first call':>11} {'median':>10} {'P90':>10} {'x slide_batching':>17}")
+    state = {}
+    for name in names:
+        waiting, decoding = _queue(n, 100.0, random.Random(7))   # rebuilt identically for each policy
+        view = InstanceView(100.0, waiting, decoding, free_blocks=1 << 30, block_size=16)
+        pol = make_local(name, Estimator(MODEL), GAIN)
+        state[name] = {"pol": pol, "view": view, "ts": [], "heavy": {}, "first": 0.0}
+    # first call and warm-up per policy, then the timed calls in ROUNDS blocks per policy, the
+    # policies taking turns block by block (each block starts with one untimed call)
+    plan = [(name, 1 + warmup, False) for name in names]
+    per = max(1, repeat // ROUNDS)
+    plan += [(name, per + 1, True) for _ in range(ROUNDS) for name in names]
+    calls = {name: 0 for name in names}
+    for name, count, timed in plan:
+        st = state[name]
+        pol, view = st["pol"], st["view"]
+        for c in range(count):
+            t0 = time.perf_counter()
+            pol.schedule(view)
+            dt = time.perf_counter() - t0
+            label = _heavy_call(name, pol)
+            if label and calls[name] > 0:
+                st["heavy"].setdefault(label, []).append(dt)
+            if calls[name] == 0:
+                st["first"] = dt
+            elif timed and c > 0:
+                st["ts"].append(dt)
+            calls[name] += 1
+    base = statistics.median(state[names[0]]["ts"])
+    heavy_lines = []
+    for name in names:
+        st = state[name]
+        ts = st["ts"]
+        med = statistics.median(ts)
+        print(f"{name:>18} {st['first'] * 1e3:>8.3f} ms {med * 1e3:>7.3f} ms {_pct(ts, 0.9) * 1e3:>7.3f} ms "
+              f"{med / base:>17.1f}")
+        for label, xs in st["heavy"].items():
+            heavy_lines.append(f"  {name}: {len(xs)} calls after the first made an {label}"
+                               if label.startswith("admission") else
+                               f"  {name}: {len(xs)} calls after the first were a {label}")
+            heavy_lines[-1] += f": median {statistics.median(xs) * 1e3:.3f} ms, max {max(xs) * 1e3:.3f} ms"
+    if heavy_lines:
+        print("Heavier calls of stateful policies (counted in the median / P90 above only if after warm-up):")
+        print("\n".join(heavy_lines))
+    # On that queue SLOs-Serve declines every waiting request before its DP (none could meet its
+    # TTFT beside the 200 running decodes), so time the DP on its own: the same requests, all
+    # waiting and just arrived, a fresh policy each time; its first two calls both run the DP
+    # over max_new (32) new requests (the rest are pending, then declined as infeasible).
+    waiting, decoding = _queue(n, 100.0, random.Random(7))
+    fresh = []
+    for r in waiting + decoding:
+        r.arrival, r.prefilled, r.kv_len, r.token_times, r.phase = 100.0, 0, 0, [], r.phase.WAITING
+        fresh.append(r)
+    view = InstanceView(100.0, fresh, [], free_blocks=1 << 30, block_size=16)
+    ts, dps = [], 0
+    for _ in range(max(3, repeat // 20)):
+        pol = make_local("slos_serve", Estimator(MODEL), GAIN)
+        for _ in range(2):
+            t0 = time.perf_counter()
+            pol.schedule(view)
+            ts.append(time.perf_counter() - t0)
+            dps += bool(pol.last.admitted or pol.last.declined)
+    print(f"  slos_serve, {n:,} requests all waiting and just arrived (first two calls of a fresh policy, "
+          f"{dps} of {len(ts)} ran the admission DP): median {statistics.median(ts) * 1e3:.3f} ms, "
+          f"P90 {_pct(ts, 0.9) * 1e3:.3f} ms")
+
+
+def bench_global_all(n_inst: int, per_queue: int, warmup: int, routes: int) -> None:
+    """Every registered global policy over ``n_inst`` instances with ``per_queue`` queued each
+    on average; timed routes in ROUNDS blocks per policy, the policies taking turns."""
+    names = _ordered(registry.global_names(), "go_routing")
+    names.insert(names.index("jitserve_power_of_k") + 1, "jitserve_power_of_k:k=2")   # power of two choices
+    print(f"\nGlobal policies: route() time at {n_inst} instances x {per_queue} queued on average "
+          f"(the same {n_inst * per_queue} queued requests for every policy, each placed by the policy "
+          f"itself so that stateful routers know them), {warmup} warm-up routes, then median / P90 of "
+          f"{routes} (in {ROUNDS} blocks per policy, the policies taking turns; one queue add and one head "
+          f"removal per route)")
+    print(f"{'policy':>23} {'median':>10} {'P90':>10} {'x go_routing':>13}  note")
+    state = {}
+    for name in names:
+        rng = random.Random(1)
+        now = 1000.0
+        insts = [PrefillInstance(i, Estimator(MODEL)) for i in range(n_inst)]
+        qmap = PrefillQueueMap(insts)
+        base_name, _, param = name.partition(":k=")
+        pol = make_global(base_name, gain=GAIN, **({"k": int(param)} if param else {}))
+        for k in range(n_inst * per_queue):      # the queues, filled by the policy itself
+            w = 2.0 if rng.random() < 0.5 else 1.0
+            req = Request(f"q{k}", "high" if w > 1 else "low", w, 1.0, 0.1, now - rng.uniform(0, 2),
+                          rng.randint(16, 4096), 100)
+            p, _ = pol.route(req, insts, (), now)
+            qmap.add(p.id, req, now - rng.uniform(0, 0.1))
+        state[name] = {"pol": pol, "base": base_name, "insts": insts, "qmap": qmap, "now": now,
+                       "rng": random.Random(2), "ts": [], "admitted": 0, "hops": 0,
+                       "lens": [len(p.queue) for p in insts]}
+    per = max(1, routes // ROUNDS)
+    plan = [(name, warmup, False) for name in names]
+    plan += [(name, per + 1, True) for _ in range(ROUNDS) for name in names]
+    for name, count, timed in plan:
+        st = state[name]
+        pol, insts, qmap, rng = st["pol"], st["insts"], st["qmap"], st["rng"]
+        for c in range(count):
+            now = st["now"]
+            w = 2.0 if rng.random() < 0.5 else 1.0
+            req = Request(f"n{now:.2f}", "high" if w > 1 else "low", w, 1.0, 0.1, now,
+                          rng.randint(16, 4096), 100)
+            t0 = time.perf_counter()
+            p, _ = pol.route(req, insts, (), now)
+            dt = time.perf_counter() - t0
+            if timed and c > 0:
+                st["ts"].append(dt)
+                dec = getattr(pol, "last_decision", None)
+                if st["base"] == "slos_serve_routing" and dec is not None:
+                    st["admitted"] += dec.admitted
+                    st["hops"] += len(dec.tried)
+            qmap.add(p.id, req, now)       # the queue changes as in a real run
+            head = p.queue[0]
+            qmap.remove(p.id, head, now)
+            pol.on_request_finished(head, now)
+            st["now"] = now + 0.01
+    base = statistics.median(state[names[0]]["ts"])
+    for name in names:
+        st = state[name]
+        ts, lens = st["ts"], st["lens"]
+        med = statistics.median(ts)
+        note = f"queues {min(lens)}-{max(lens)}"
+        if st["base"] == "slos_serve_routing":
+            note += (f"; admitted {st['admitted']}/{len(ts)}, {st['hops'] / len(ts):.1f} replicas checked "
+                     f"per route")
+        elif st["base"] == "jitserve_power_of_k":
+            note += f"; K = {st['pol'].k or f'M = {n_inst}'}"
+        print(f"{name:>23} {med * 1e3:>7.3f} ms {_pct(ts, 0.9) * 1e3:>7.3f} ms {med / base:>13.1f}  {note}")
+
+
 def bench_sim(instances: int, num_requests: int | None) -> None:
     from sim.cluster import SimConfig, simulate
 
@@ -142,6 +315,8 @@ def main() -> int:
     bench_local([10, 100, 1000, 10000], repeat=30 if args.quick else 200)
     bench_global([8, 32, 128], per_queue=64, routes=100 if args.quick else 400)
     bench_sim(8, 3000 if args.quick else None)
+    bench_local_all(1000, warmup=30, repeat=30 if args.quick else 200)
+    bench_global_all(32, per_queue=64, warmup=50 if args.quick else 200, routes=100 if args.quick else 400)
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate every table and plot in docs/results/ (about 10 minutes on 2 cores).
+# Regenerate every table and plot in docs/results/ (about 30 minutes on 2 cores).
 #   bash scripts/reproduce_results.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +31,9 @@ for rate in 3 4 6; do
   cp "out/timeline-$rate/timeline.png" "$D/timeline-rate$rate.png"
 done
 
-# 4. Decision times and simulator speed.
+# 4. Decision times and simulator speed (every local and global policy at the end).
 python3 scripts/bench_scheduler.py | tee "$D/bench_scheduler.txt"
+
+# 5. Alternative schedulers (JITServe GMAX, SLOs-Serve, UniBoost) against SlideBatching and the
+#    baselines, co-located and disaggregated, on TDG and on each paper's own metric (15-18 minutes).
+python3 scripts/compare_alternatives.py --out "$D/alternatives" > /dev/null
