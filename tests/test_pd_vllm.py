@@ -10,6 +10,7 @@ prefill worker sent. Requests go one at a time so batch shapes match.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,6 @@ def test_dead_decode_frees_prefill_blocks_and_prefill_keeps_serving(cluster):
     first = complete(c["prefill"].url, c["model"], prompts()[10], 1,
                      {"do_remote_decode": True, "xfer_id": "to-dead", "remote_addr": dead})
     assert first["choices"][0]["token_ids"]
-    import time
     deadline = time.monotonic() + 30
     while "KV transfer to-dead" not in c["prefill"].log() and time.monotonic() < deadline:
         time.sleep(0.5)
