@@ -391,8 +391,13 @@ def test_power_of_k_lets_the_dummy_overtake_lower_priority_work():
     p, _ = router.route(r, ps, [], 0.0)
     d = router.last_decision
     # GMAX would run r first on replica 0 as well: no work ahead of it, so both replicas
-    # tie and the lower id wins (Min-Load would have avoided replica 0)
-    assert d.ahead == {0: 0.0, 1: 0.0} and p.id == 0
+    # tie on priority and first-token time; the tie goes to the replica with less queued
+    # work (the paper's "first replica to schedule a copy wins" favours the idle one; a
+    # lowest-id tie-break piled every outranking request onto replica 0 in the simulator)
+    assert d.ahead == {0: 0.0, 1: 0.0} and p.id == 1
+    # with equal queues the lower id still breaks the tie
+    ps, qm = _replicas(2)
+    assert router.route(wait("r2", 100, arrival=0.0), ps, [], 0.0)[0].id == 0
 
 
 def test_power_of_k_prefers_the_faster_replica_colocated():

@@ -146,17 +146,25 @@ class PowerOfK(GlobalPolicy):
             p0, _ = self._priority(req, p, *own, 0.0, now, v, stretch)
             # prefill work GMAX would run on p before the dummy: the queued requests whose
             # priority there (computed the same way) is at least the dummy's
-            ahead = 0.0
+            ahead = total = 0.0
             t_c = p.estimator.t_c
             for q in p.queue:
                 l_q, l_kv = queued_work(p, q)
+                if l_q <= 0:
+                    continue
+                work = p.estimator.prefill(l_q, l_kv) * stretch + t_c
+                total += work
                 pq, _ = self._priority(q, p, l_q, l_kv, 0.0, now, v, stretch)
-                if pq >= p0 and l_q > 0:
-                    ahead += p.estimator.prefill(l_q, l_kv) * stretch + t_c
-            wait = max(0.0, ahead - max(0.0, now - p.ts))                      # lag compensation
+                if pq >= p0:
+                    ahead += work
+            lag = max(0.0, now - p.ts)
+            wait = max(0.0, ahead - lag)                                          # lag compensation
             prio, t_first = self._priority(req, p, *own, wait, now, v, stretch)
             dec.priority[p.id], dec.t_first[p.id], dec.ahead[p.id] = prio, t_first, ahead
-            key = (-prio, t_first, p.id)
+            # ties (a request that outranks everything queued sees no wait anywhere) go to the
+            # replica with the least queued work: in the paper the first replica to schedule one
+            # of the request's copies wins, which is the idlest one, not the lowest-numbered
+            key = (-prio, t_first, max(0.0, total - lag), p.id)
             if best_key is None or key < best_key:
                 best_key, best = key, i
         dec.chosen = prefills[best].id
