@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from scheduler.config import classes_from_dicts
+from scheduler.config import classes_from_dicts, parse_key_values
 from scheduler.registry import global_names
 from scheduler.request import ConfigError
 from scheduler.tdg import GainConfig
@@ -69,19 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _kv(items: list[str], flag: str) -> dict:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
 def config_from_args(args) -> DispatcherConfig:
     cfg = load_config(args.config) if args.config else DispatcherConfig()
     for attr, flag in (("host", "host"), ("port", "port"), ("deployment", "deployment"),
@@ -92,7 +79,7 @@ def config_from_args(args) -> DispatcherConfig:
         if v is not None:
             setattr(cfg, attr, v)
     if args.global_param:
-        cfg.global_params = {**cfg.global_params, **_kv(args.global_param, "--global-param")}
+        cfg.global_params = {**cfg.global_params, **parse_key_values(args.global_param, "--global-param")}
     if args.classes:
         cfg.classes = classes_from_dicts(_read_list(args.classes), f"--classes {args.classes}")
     if args.w_p is not None or args.w_d is not None:
@@ -101,7 +88,7 @@ def config_from_args(args) -> DispatcherConfig:
                               deadline=cfg.gain.deadline)
     for item in args.prefill:
         url, _, rest = item.partition(",")
-        opts = _kv([x for x in rest.split(",") if x], "--prefill") if rest else {}
+        opts = parse_key_values([x for x in rest.split(",") if x], "--prefill") if rest else {}
         unknown = set(opts) - {"latency_model"}
         if unknown:
             raise ConfigError(f"--prefill {item!r}: unknown option(s) {', '.join(sorted(unknown))}")

@@ -170,7 +170,7 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
 def scheduling_config(role: str, args) -> tuple[dict, dict]:
     """``additional_config["proserve"]`` for the plugin, and the class table; errors exit with a message."""
     from scheduler import registry
-    from scheduler.config import classes_from_dicts, default_classes
+    from scheduler.config import classes_from_dicts, default_classes, parse_key_values
     from scheduler.request import ConfigError
 
     if args.local_policy != "stock" and args.local_policy not in registry.local_names():
@@ -184,14 +184,10 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
     for k, v in (("phi", args.phi), ("gamma", args.gamma), ("eta", args.eta)):
         if v is not None:
             pp[k] = v
-    for item in args.policy_param:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise SystemExit(f"error: --policy-param expects KEY=VALUE, got {item!r}")
-        try:
-            pp[k] = json.loads(v)
-        except json.JSONDecodeError:
-            pp[k] = v
+    try:
+        pp.update(parse_key_values(args.policy_param, "--policy-param"))
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
     if pp:
         cfg["policy_params"] = pp
     if args.latency_model:

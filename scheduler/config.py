@@ -70,3 +70,20 @@ def check_in_range(where: str, name: str, v, lo: float, hi: float, lo_open: bool
         rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
         raise ConfigError(f"{where}: {name} must be a number in {rng}, got {v!r}")
     return float(v)
+
+
+def parse_key_values(items, what: str) -> dict:
+    """``["k=v", ...]`` from a repeatable command-line flag (``--global-param``,
+    ``--local-param``, ``--policy-param``) as a dict; each value is read as JSON when
+    it parses (numbers, booleans, lists), else kept as a string."""
+    import json
+    out = {}
+    for it in items or []:
+        k, sep, v = it.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"{what} expects KEY=VALUE, got {it!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler import registry
-from scheduler.config import classes_from_dicts
+from scheduler.config import classes_from_dicts, parse_key_values
 from scheduler.request import ConfigError
 from scheduler.tdg import GainConfig
 
@@ -88,19 +88,6 @@ def run_spec(spec: RunSpec, keep_requests: bool = False) -> dict:
 
 
 # -- argument parsing ---------------------------------------------------------------------
-def _kv_pairs(items: list[str] | None, what: str) -> dict:
-    out = {}
-    for it in items or []:
-        k, sep, v = it.partition("=")
-        if not sep or not k:
-            raise ConfigError(f"{what}: expected KEY=VALUE, got {it!r}")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
 def _floats(s: str, what: str) -> list[float]:
     try:
         vals = [float(x) for x in s.split(",") if x.strip()]
@@ -156,13 +143,13 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         classes = classes_from_dicts(items, f"--classes {args.classes}")
     shares = None
     if args.shares:
-        shares = {k: float(v) for k, v in _kv_pairs(args.shares.split(","), "--shares").items()}
+        shares = {k: float(v) for k, v in parse_key_values(args.shares.split(","), "--shares").items()}
     true_model = _load_model(args.true_latency_model) if args.true_latency_model else None
     sim = SimConfig(
         deployment=args.deployment, instances=args.instances, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, local_policy=local,
-        local_params=_kv_pairs(args.local_param, "--local-param"), global_policy=glob,
-        global_params=_kv_pairs(args.global_param, "--global-param"), noise_cv=args.noise_cv,
+        local_params=parse_key_values(args.local_param, "--local-param"), global_policy=glob,
+        global_params=parse_key_values(args.global_param, "--global-param"), noise_cv=args.noise_cv,
         true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
         fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,
