@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -111,15 +110,10 @@ def config_from_args(args) -> DispatcherConfig:
 
 def _read_list(path: str) -> list:
     """A classes file: a JSON list, or a TOML/JSON table holding ``classes``."""
-    if path.endswith(".json"):
-        try:
-            data = json.loads(open(path).read())
-        except OSError as e:
-            raise ConfigError(f"--classes {path}: cannot read ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--classes {path}: not valid JSON (line {e.lineno}): {e.msg}") from None
-    else:
-        data = read_file(path)
+    try:
+        data = read_file(path, allow_list=True)
+    except ConfigError as e:
+        raise ConfigError(f"--classes {e}") from None
     if isinstance(data, dict):
         data = data.get("classes")
     if not isinstance(data, list):

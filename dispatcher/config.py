@@ -164,8 +164,9 @@ def check_kv_addr(addr: Any, where: str) -> str:
     return addr
 
 
-def read_file(path: str | Path) -> dict:
-    """Parse a TOML or JSON file into a dict; errors name the file and the line."""
+def read_file(path: str | Path, allow_list: bool = False) -> dict | list:
+    """Parse a TOML or JSON file into a dict (or, with ``allow_list``, a JSON list);
+    errors name the file and the line."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -181,7 +182,7 @@ def read_file(path: str | Path) -> dict:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) and not (allow_list and isinstance(data, list)):
         raise ConfigError(f"{p}: the top level must be a table/object")
     return data
 

@@ -33,7 +33,7 @@ from profiler import modelfile
 from scheduler.estimator import Estimator, OnlineCorrector
 from scheduler.routing.base import DecodeInstance, PrefillInstance
 
-from .config import DecodeSpec, DispatcherConfig, PrefillSpec
+from .config import DispatcherConfig, PrefillSpec
 
 logger = logging.getLogger("proserve.dispatcher")
 
@@ -51,7 +51,6 @@ class Worker:
     last_error: str = ""
     model: str | None = None       # served model name, from /v1/models
     max_model_len: int | None = None
-    checked_at: float = 0.0
     inflight: set = field(default_factory=set, repr=False)   # asyncio tasks of upstream calls
 
     def mark_down(self, why: str) -> None:
@@ -142,7 +141,7 @@ class Registry:
             return False
         if not w.healthy:
             logger.info("%s worker %s (%s) is healthy", w.role, w.name, w.url)
-        w.healthy, w.fails, w.last_error, w.checked_at = True, 0, "", time.time()
+        w.healthy, w.fails, w.last_error = True, 0, ""
         self._sync(w)
         return True
 
@@ -218,7 +217,3 @@ class Registry:
             d["inflight"] = len(w.inflight)
             out.append(d)
         return out
-
-
-def spec_names(specs: list[PrefillSpec] | list[DecodeSpec]) -> list[str]:
-    return [s.name for s in specs]

@@ -42,7 +42,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from scheduler.registry import make_global
-from scheduler.request import ConfigError
 from scheduler.routing.base import COLOCATED, PrefillQueueMap
 from scheduler.tdg import slo_attained
 
@@ -199,8 +198,7 @@ class Dispatcher:
         return p, d
 
     def _prefill_done(self, job: Job, p: PrefillWorker) -> None:
-        if job.sreq in p.state.queue:
-            self.qmap.remove(p.state.id, job.sreq, time.time())
+        self.qmap.remove(p.state.id, job.sreq, time.time())   # a no-op once it is out
 
     # -- upstream calls, cancellable when the worker goes down -------------------------------------
     async def _guarded(self, w: Worker, coro):
@@ -536,10 +534,3 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
         return Response(D.metrics.render(D.registry), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def build(cfg: DispatcherConfig, keys=None) -> Dispatcher:
-    try:
-        return Dispatcher(cfg, keys)
-    except ConfigError:
-        raise
