@@ -111,6 +111,7 @@ import json
 import math
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -356,14 +357,6 @@ def read_keys_file(path: str | Path) -> dict[str, str]:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON (line {e.lineno}): {e.msg}") from None
     else:
-        try:
-            import tomllib
-        except ImportError:   # Python 3.10
-            try:
-                import tomli as tomllib
-            except ImportError:
-                raise ConfigError(f"{where}: reading TOML needs Python >= 3.11 (or tomli); "
-                                  f"give the keys as a .json file") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -98,6 +98,7 @@ class Runner:
         self.rng = random.Random(settings.seed)
         self._ids = 0
         self._prefixes: dict[tuple[int, int], list[int]] = {}
+        self.blocker_len = BLOCKER_LEN   # re-sized for this engine by warm_up (_calibrate_blocker)
         record_path = Path(record_path)
         record_path.parent.mkdir(parents=True, exist_ok=True)
         record_path.write_text("")
@@ -264,7 +265,7 @@ class Runner:
 
     def _needs_blocker(self, point: Point) -> int:
         n = len(point.prefills) if point.kind == "prefill" else point.batch
-        return min(getattr(self, "blocker_len", BLOCKER_LEN), self.s.max_model_len - 1) if n > 1 else 0
+        return min(self.blocker_len, self.s.max_model_len - 1) if n > 1 else 0
 
     def run_point(self, point: Point, repeat: int) -> tuple[list[Measurement], bool]:
         """Run one repeat of ``point`` (priming its prefixes first), retrying a submission
