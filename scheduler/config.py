@@ -20,6 +20,7 @@ here:
 
 from __future__ import annotations
 
+import json
 from typing import Iterable, Mapping
 
 from .request import ConfigError, PriorityClass
@@ -76,7 +77,6 @@ def parse_key_values(items, what: str) -> dict:
     """``["k=v", ...]`` from a repeatable command-line flag (``--global-param``,
     ``--local-param``, ``--policy-param``) as a dict; each value is read as JSON when
     it parses (numbers, booleans, lists), else kept as a string."""
-    import json
     out = {}
     for it in items or []:
         k, sep, v = it.partition("=")
