@@ -91,6 +91,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from .config import check_in_range
 from .request import ConfigError
 
 _BIG = 1 << 40  # "unbounded" batch size when no line limits it
@@ -101,6 +102,29 @@ PRIOR_WEIGHT = 8
 
 #: default roofline fit range of the policies: batches up to this many times the loosest TPOT SLO
 FIT_SPAN = 4.0
+
+#: how the policies price a decode in roofline tokens (``decode_cost``)
+DECODE_COSTS = ("model", "unit")
+
+
+# --------------------------------------------------------------------------------------
+# parameters shared by the ``slos_serve`` local policy and the ``slos_serve_routing`` router
+# --------------------------------------------------------------------------------------
+def check_policy_params(where: str, decode_cost: str, roofline_pieces: int, output_len_prior: float) -> float:
+    """Validate the parameters both SLOs-Serve policies take; returns ``output_len_prior`` as a float."""
+    if decode_cost not in DECODE_COSTS:
+        raise ConfigError(f"{where}: decode_cost must be one of {', '.join(DECODE_COSTS)}, got {decode_cost!r}")
+    if roofline_pieces not in (1, 2):
+        raise ConfigError(f"{where}: roofline_pieces must be 1 or 2, got {roofline_pieces!r}")
+    return check_in_range(where, "output_len_prior", output_len_prior, 1, math.inf, False, True)
+
+
+def default_fit_max_time(classes, batch_time: float | None = None) -> float | None:
+    """The default ``fit_max_time``: FIT_SPAN × the loosest of the classes' TPOT SLOs and
+    ``batch_time`` (None when no classes are configured)."""
+    if not classes:
+        return None
+    return FIT_SPAN * max([c.tpot_slo for c in classes.values()] + [batch_time or 0.0])
 
 
 # --------------------------------------------------------------------------------------

@@ -109,11 +109,12 @@ import math
 from dataclasses import dataclass, field
 
 from ..registry import register_local
+from ..config import check_in_range
 from ..request import ConfigError
-from ..slos_serve_model import FIT_SPAN, PRIOR_WEIGHT, Job, Roofline, admit_dp, feasible_alone
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..slos_serve_model import (PRIOR_WEIGHT, Job, Roofline, admit_dp, check_policy_params, default_fit_max_time,
+                                feasible_alone)
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
 
-DECODE_COSTS = ("model", "unit")
 _ONE = 1.0 - 1e-9   # one roofline token, less float noise
 MEM_GROWTH = ("peak", "horizon")
 
@@ -143,45 +144,31 @@ class SLOsServe(LocalPolicy):
         super().__init__(estimator, gain, classes)
         if batch_time is None:
             batch_time = self.min_tpot_slo()
-        if isinstance(batch_time, bool) or not isinstance(batch_time, (int, float)) \
-                or not 0 < batch_time < math.inf:
-            raise ConfigError(f"{self.name}: batch_time must be a finite number > 0, got {batch_time!r}")
-        if decode_cost not in DECODE_COSTS:
-            raise ConfigError(f"{self.name}: decode_cost must be one of {', '.join(DECODE_COSTS)}, "
-                              f"got {decode_cost!r}")
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise ConfigError(f"{self.name}: max_new must be an integer >= 1, got {max_new!r}")
-        if roofline_pieces not in (1, 2):
-            raise ConfigError(f"{self.name}: roofline_pieces must be 1 or 2, got {roofline_pieces!r}")
+        batch_time = check_in_range(self.name, "batch_time", batch_time, 0, math.inf, True, True)
+        output_len_prior = check_policy_params(self.name, decode_cost, roofline_pieces, output_len_prior)
+        check_count(self.name, max_new=max_new)
         if fit_max_time is None:
-            fit_max_time = FIT_SPAN * max(batch_time, max(c.tpot_slo for c in self.classes.values()))
-        if isinstance(fit_max_time, bool) or not isinstance(fit_max_time, (int, float)) \
-                or not fit_max_time > estimator.model.t_c or not math.isfinite(fit_max_time):
-            raise ConfigError(f"{self.name}: fit_max_time must be a finite number of seconds above the "
-                              f"model's t_c ({estimator.model.t_c:g}), got {fit_max_time!r}")
+            fit_max_time = default_fit_max_time(self.classes, batch_time)
+        fit_max_time = check_in_range(self.name, "fit_max_time", fit_max_time, estimator.model.t_c, math.inf,
+                                      True, True)
         if isinstance(mem_units, bool) or not isinstance(mem_units, int) or mem_units < 0:
             raise ConfigError(f"{self.name}: mem_units must be an integer >= 0 (0: no memory dimension), "
                               f"got {mem_units!r}")
-        if isinstance(output_len_prior, bool) or not isinstance(output_len_prior, (int, float)) \
-                or not 1 <= output_len_prior < math.inf:
-            raise ConfigError(f"{self.name}: output_len_prior must be a finite number >= 1, "
-                              f"got {output_len_prior!r}")
         if mem_growth not in MEM_GROWTH:
             raise ConfigError(f"{self.name}: mem_growth must be one of {', '.join(MEM_GROWTH)}, got {mem_growth!r}")
         self.mem_growth = mem_growth
-        self.batch_time = float(batch_time)
+        self.batch_time = batch_time
         self._horizon = max(c.ttft_slo for c in self.classes.values())
         self.mem_units = mem_units
-        self.output_len_prior = float(output_len_prior)
         # ô starts at the prior, worth PRIOR_WEIGHT finished requests: the first requests
         # to finish are the short ones, and would otherwise drag ô far down
-        self._out_sum = PRIOR_WEIGHT * float(output_len_prior)
+        self._out_sum = PRIOR_WEIGHT * output_len_prior
         self._out_n = PRIOR_WEIGHT
         self._mem_pressure_at = -math.inf   # last time a new request was declined for memory
         self.decode_cost = decode_cost
         self.max_new = max_new
         self.roofline_pieces = roofline_pieces
-        self.fit_max_time = float(fit_max_time)
+        self.fit_max_time = fit_max_time
         self.admitted: set[str] = set()   # guaranteed tier
         self.declined: set[str] = set()   # best-effort tier (§4.1)
         self._roof: Roofline | None = None

@@ -45,13 +45,15 @@ import math
 from dataclasses import dataclass, field
 
 from ..registry import register_global
+from ..config import check_in_range
+from ..local.base import check_count
 from ..request import ConfigError
-from ..slos_serve_model import FIT_SPAN, PRIOR_WEIGHT, Job, Roofline, admit_dp
+from ..slos_serve_model import (FIT_SPAN, PRIOR_WEIGHT, Job, Roofline, admit_dp, check_policy_params,
+                                default_fit_max_time)
 from .base import COLOCATED, DISAGGREGATED, GlobalPolicy
 from .estimates import evaluate, queued_work
 
 BACKUPS = ("first", "min_load")
-DECODE_COSTS = ("model", "unit")
 
 
 @dataclass
@@ -75,40 +77,26 @@ class SLOsServeRouting(GlobalPolicy):
                  decode_cost: str = "model", fit_max_time: float | None = None, roofline_pieces: int = 2,
                  output_len_prior: float = 266.0, kv_reserve: float = 0.01):
         super().__init__(gain, classes, deployment, seed)
-        if max_hops is not None and (isinstance(max_hops, bool) or not isinstance(max_hops, int)
-                                     or max_hops < 1):
-            raise ConfigError(f"{self.name}: max_hops must be an integer >= 1, got {max_hops!r}")
+        if max_hops is not None:
+            check_count(self.name, max_hops=max_hops)
         if backup not in BACKUPS:
             raise ConfigError(f"{self.name}: backup must be one of {', '.join(BACKUPS)}, got {backup!r}")
-        if batch_time is not None and (isinstance(batch_time, bool) or not isinstance(batch_time, (int, float))
-                                       or not 0 < batch_time < math.inf):
-            raise ConfigError(f"{self.name}: batch_time must be a finite number > 0, got {batch_time!r}")
-        if decode_cost not in DECODE_COSTS:
-            raise ConfigError(f"{self.name}: decode_cost must be one of {', '.join(DECODE_COSTS)}, "
-                              f"got {decode_cost!r}")
-        if fit_max_time is not None and (isinstance(fit_max_time, bool)
-                                         or not isinstance(fit_max_time, (int, float))
-                                         or not 0 < fit_max_time < math.inf):
-            raise ConfigError(f"{self.name}: fit_max_time must be a finite number > 0, got {fit_max_time!r}")
-        if roofline_pieces not in (1, 2):
-            raise ConfigError(f"{self.name}: roofline_pieces must be 1 or 2, got {roofline_pieces!r}")
-        if isinstance(output_len_prior, bool) or not isinstance(output_len_prior, (int, float)) \
-                or not 1 <= output_len_prior < math.inf:
-            raise ConfigError(f"{self.name}: output_len_prior must be a finite number >= 1, "
-                              f"got {output_len_prior!r}")
-        if isinstance(kv_reserve, bool) or not isinstance(kv_reserve, (int, float)) or not 0 <= kv_reserve < 1:
-            raise ConfigError(f"{self.name}: kv_reserve must be a number in [0, 1), got {kv_reserve!r}")
-        self.kv_reserve = float(kv_reserve)
-        self._out_sum = PRIOR_WEIGHT * float(output_len_prior)
+        if batch_time is not None:
+            batch_time = check_in_range(self.name, "batch_time", batch_time, 0, math.inf, True, True)
+        output_len_prior = check_policy_params(self.name, decode_cost, roofline_pieces, output_len_prior)
+        if fit_max_time is None:
+            fit_max_time = default_fit_max_time(self.classes, batch_time)
+        else:
+            fit_max_time = check_in_range(self.name, "fit_max_time", fit_max_time, 0, math.inf, True, True)
+        self.kv_reserve = check_in_range(self.name, "kv_reserve", kv_reserve, 0, 1, False, True)
+        self._out_sum = PRIOR_WEIGHT * output_len_prior
         self._out_n = PRIOR_WEIGHT
         self._resident: dict[int, dict[str, object]] = {}   # per replica: routed, unfinished requests
         self.max_hops = max_hops
         self.backup = backup
-        self.batch_time = None if batch_time is None else float(batch_time)
+        self.batch_time = batch_time
         self.decode_cost = decode_cost
-        if fit_max_time is None and self.classes:
-            fit_max_time = FIT_SPAN * max([c.tpot_slo for c in self.classes.values()] + [batch_time or 0.0])
-        self.fit_max_time = None if fit_max_time is None else float(fit_max_time)
+        self.fit_max_time = fit_max_time
         self.roofline_pieces = roofline_pieces
         self._admitted: dict[int, set[str]] = {}   # per replica: requests this router admitted there
         self._where: dict[str, int] = {}
