@@ -119,6 +119,27 @@ def check_policy_params(where: str, decode_cost: str, roofline_pieces: int, outp
     return check_in_range(where, "output_len_prior", output_len_prior, 1, math.inf, False, True)
 
 
+class MeanOutputLen:
+    """ô: the mean output length of the finished requests, learned online. Starts at
+    ``prior``, which counts as PRIOR_WEIGHT finished requests."""
+
+    __slots__ = ("total", "count")
+
+    def __init__(self, prior: float):
+        self.total = PRIOR_WEIGHT * prior
+        self.count = PRIOR_WEIGHT
+
+    def observe(self, req) -> None:
+        """Count a finished request's true output length (failed or empty ones are skipped)."""
+        if req.error is None and req.num_emitted > 0:
+            self.total += req.num_emitted
+            self.count += 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count
+
+
 def default_fit_max_time(classes, batch_time: float | None = None) -> float | None:
     """The default ``fit_max_time``: FIT_SPAN × the loosest of the classes' TPOT SLOs and
     ``batch_time`` (None when no classes are configured)."""

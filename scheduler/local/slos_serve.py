@@ -111,7 +111,7 @@ from dataclasses import dataclass, field
 from ..registry import register_local
 from ..config import check_in_range
 from ..request import ConfigError
-from ..slos_serve_model import (PRIOR_WEIGHT, Job, Roofline, admit_dp, check_policy_params, default_fit_max_time,
+from ..slos_serve_model import (Job, MeanOutputLen, Roofline, admit_dp, check_policy_params, default_fit_max_time,
                                 feasible_alone)
 from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
 
@@ -160,10 +160,7 @@ class SLOsServe(LocalPolicy):
         self.batch_time = batch_time
         self._horizon = max(c.ttft_slo for c in self.classes.values())
         self.mem_units = mem_units
-        # ô starts at the prior, worth PRIOR_WEIGHT finished requests: the first requests
-        # to finish are the short ones, and would otherwise drag ô far down
-        self._out_sum = PRIOR_WEIGHT * output_len_prior
-        self._out_n = PRIOR_WEIGHT
+        self._o_hat = MeanOutputLen(output_len_prior)
         self._mem_pressure_at = -math.inf   # last time a new request was declined for memory
         self.decode_cost = decode_cost
         self.max_new = max_new
@@ -416,9 +413,7 @@ class SLOsServe(LocalPolicy):
     def on_request_finished(self, req, now: float) -> None:
         self.admitted.discard(req.id)
         self.declined.discard(req.id)
-        if req.error is None and req.num_emitted > 0:   # its true output length (learned, never read early)
-            self._out_sum += req.num_emitted
-            self._out_n += 1
+        self._o_hat.observe(req)   # its true output length (learned, never read early)
 
     def _growth(self, emitted: int, tpot: float) -> float:
         """KV tokens a request that emitted ``emitted`` tokens is still expected to add
@@ -430,8 +425,8 @@ class SLOsServe(LocalPolicy):
 
     @property
     def mean_output_len(self) -> float:
-        """ô: mean output length of the finished requests (with the prior as one of them)."""
-        return self._out_sum / self._out_n
+        """ô: mean output length of the finished requests (the prior counted as PRIOR_WEIGHT of them)."""
+        return self._o_hat.value
 
     def tier(self, req) -> str | None:
         """"admitted", "best_effort", or None (not decided yet)."""

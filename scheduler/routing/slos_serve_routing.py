@@ -48,7 +48,7 @@ from ..registry import register_global
 from ..config import check_in_range
 from ..local.base import check_count
 from ..request import ConfigError
-from ..slos_serve_model import (FIT_SPAN, PRIOR_WEIGHT, Job, Roofline, admit_dp, check_policy_params,
+from ..slos_serve_model import (FIT_SPAN, Job, MeanOutputLen, Roofline, admit_dp, check_policy_params,
                                 default_fit_max_time)
 from .base import COLOCATED, DISAGGREGATED, GlobalPolicy
 from .estimates import evaluate, queued_work
@@ -89,8 +89,7 @@ class SLOsServeRouting(GlobalPolicy):
         else:
             fit_max_time = check_in_range(self.name, "fit_max_time", fit_max_time, 0, math.inf, True, True)
         self.kv_reserve = check_in_range(self.name, "kv_reserve", kv_reserve, 0, 1, False, True)
-        self._out_sum = PRIOR_WEIGHT * output_len_prior
-        self._out_n = PRIOR_WEIGHT
+        self._o_hat = MeanOutputLen(output_len_prior)
         self._resident: dict[int, dict[str, object]] = {}   # per replica: routed, unfinished requests
         self.max_hops = max_hops
         self.backup = backup
@@ -149,7 +148,7 @@ class SLOsServeRouting(GlobalPolicy):
     @property
     def mean_output_len(self) -> float:
         """ô, learned from finished requests as the local policy does."""
-        return self._out_sum / self._out_n
+        return self._o_hat.value
 
     def _memory_fits(self, req, p, md: dict, mine) -> bool:
         """The m dimension on the virtual replica (co-located): KV blocks of the requests
@@ -205,6 +204,4 @@ class SLOsServeRouting(GlobalPolicy):
         if where is not None:
             self._admitted.get(where, set()).discard(req.id)
             self._resident.get(where, {}).pop(req.id, None)
-        if req.error is None and req.num_emitted > 0:
-            self._out_sum += req.num_emitted
-            self._out_n += 1
+        self._o_hat.observe(req)
