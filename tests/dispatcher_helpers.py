@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
+import json
 from contextlib import asynccontextmanager
 
 import httpx
@@ -13,17 +13,12 @@ import uvicorn
 from bench.fake_worker import FakeWorker
 from dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec, keys_from_dict
 from dispatcher.server import Dispatcher, create_app
+from pd_helpers import free_port
 
 KEYS = {"keys": [
     {"key": "sk-high-000001", "client": "acme", "class": "high", "ttft_ms": [100, 10000], "tpot_ms": [10, 1000]},
     {"key": "sk-low-0000001", "client": "batchco", "class": "low"},
 ]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Harness:
@@ -48,7 +43,7 @@ class Harness:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     data = line[5:].strip()
-                    events.append(data if data == "[DONE]" else __import__("json").loads(data))
+                    events.append(data if data == "[DONE]" else json.loads(data))
         return 200, events
 
     async def metrics(self) -> str:
