@@ -191,9 +191,6 @@ class SLOsServe(LocalPolicy):
         now = view.now
         colocated = view.mode == COLOCATED
         admitted, declined = self.admitted, self.declined
-        m = self.est.model
-        roof = self.roofline
-        a_d, b_d = m.a_d, m.b_d
 
         # partition (forced admission of running requests, §3.2.1 "Continuous Optimization")
         dec_adm, dec_be = [], []
@@ -220,26 +217,16 @@ class SLOsServe(LocalPolicy):
         # t0 (Alg. 2 line 1) and Time2BS(t0) (line 7)
         t0 = min((r.tpot_slo for r in dec_adm), default=self.batch_time) if colocated else self.batch_time
         tokens = self.time2bs(t0)
-        k_hat = roof.marginal(tokens)
-        unit = self.decode_cost == "unit" or k_hat <= 0
-        inv_k = 0.0 if unit else 1.0 / k_hat
+        dcost = self._decode_cost(tokens)
         info = SLOsDecision(now, t0, tokens)
         self.last = info
         # memory the admitted requests are expected to still need: up to prompt + ô tokens each
-        bs = view.block_size
-        committed = 0
-        for r in dec_adm:
-            need = -(-(r.kv_len + self._growth(r.num_emitted, r.tpot_slo)) // bs) - (-(-r.kv_len // bs))
-            if need > 0:
-                committed += need
-        for r in pre_adm:
-            need = -(-(r.prefill_len + self._growth(r.num_emitted, r.tpot_slo)) // bs) - (-(-r.kv_len // bs))
-            if need > 0:
-                committed += need
-        committed = int(committed)
+        bs, o_hat = view.block_size, self.mean_output_len
+        committed = int(sum(max(0, self._blocks_to_come(r, r.kv_len, bs, o_hat)) for r in dec_adm)
+                        + sum(max(0, self._blocks_to_come(r, r.prefill_len, bs, o_hat)) for r in pre_adm))
 
         if new:
-            self._admit(view, new, pre_adm, dec_adm, committed, t0, unit, inv_k, info)
+            self._admit(view, new, pre_adm, dec_adm, committed, t0, tokens, dcost, info)
             for r in new:
                 if r.id in admitted:
                     pre_adm.append(r)
@@ -252,13 +239,13 @@ class SLOsServe(LocalPolicy):
         horizon = now + 2.0 * t0
         due, early = [], []
         for r in dec_adm:
-            d = r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo   # deadline of the next token
+            d = _next_deadline(r)
             (due if d < horizon else early).append((d, r))
         due.sort(key=_first)
         n_adm = 0
         for _, r in due:                                        # lines 8-13: EDF over due decodes
             if b.add_decode(r):
-                budget -= 1.0 if unit else (a_d * r.kv_len + b_d) * inv_k
+                budget -= dcost(r.kv_len)
                 n_adm += 1
         pre_adm.sort(key=_pddl)
         for r in pre_adm:                                       # prefill budget by pDDL
@@ -275,13 +262,13 @@ class SLOsServe(LocalPolicy):
             if budget < _ONE or b.time >= t0:
                 break
             if b.add_decode(r):
-                budget -= 1.0 if unit else (a_d * r.kv_len + b_d) * inv_k
+                budget -= dcost(r.kv_len)
         dec_be.sort(key=_arrival)
         for r in dec_be:
             if budget < _ONE or b.time >= t0:
                 break
             if b.add_decode(r):
-                budget -= 1.0 if unit else (a_d * r.kv_len + b_d) * inv_k
+                budget -= dcost(r.kv_len)
                 n_be += 1
         # best-effort prefills may not take the memory the admitted requests are expected to
         # need, and start none while new requests are being declined for memory (the paper
@@ -315,8 +302,7 @@ class SLOsServe(LocalPolicy):
         """Prefill chunk of ``r``: at most ``budget`` roofline tokens, and (guard) what
         GETMAXCHUNK allows in the batch time left before ``t0``; with ``keep``, only
         as many tokens as fit while leaving ``keep`` KV blocks free."""
-        rem = r.prefill_len - r.prefilled
-        n = min(rem, int(budget + 1e-9))   # +eps: decode costs are float multiples of a token
+        n = min(r.remaining_prefill, int(budget + 1e-9))   # +eps: decode costs are float multiples of a token
         if n <= 0:
             return 0
         n = min(n, self.est.get_max_chunk(r.kv_len, n, t0 - b.time))
@@ -326,41 +312,29 @@ class SLOsServe(LocalPolicy):
             if room <= 0:
                 return 0
             n = min(n, room * bs + (-r.kv_len) % bs)
-        if n <= 0:
-            return 0
-        return b.add_prefill(r, n)
+        return b.add_prefill(r, n)   # 0 if n <= 0
 
     def _progress(self, b: BatchBuilder, waiting) -> None:
         """Nothing fitted (t0 below one token's time): one block of the first prefill."""
         for r in waiting:
-            if b.add_prefill(r, max(1, min(b.view.block_size, r.prefill_len - r.prefilled))):
+            if b.add_prefill(r, max(1, min(b.view.block_size, r.remaining_prefill))):
                 return
 
     # -- admission (Alg. 1 line 4) --------------------------------------------------------------
-    def _admit(self, view, new, pre_adm, dec_adm, committed, t0, unit, inv_k, info: SLOsDecision) -> None:
+    def _admit(self, view, new, pre_adm, dec_adm, committed, t0, tokens, e, info: SLOsDecision) -> None:
+        """``tokens`` = Time2BS(t0); ``e(l_kv)``: a decode's demand in roofline tokens."""
         now = view.now
         colocated = view.mode == COLOCATED
-        m = self.est.model
-        a_d, b_d = m.a_d, m.b_d
         # DP horizon: batches sized for the tightest TPOT that will be decoding
         t_dp = t0
         if colocated:
             t_dp = min([t0] + [r.tpot_slo for r in pre_adm] + [r.tpot_slo for r in new])
-        sigma = self.time2bs(t_dp) / t_dp                          # σ = Time2BS(t0)/t0
+        sigma = (tokens if t_dp == t0 else self.time2bs(t_dp)) / t_dp   # σ = Time2BS(t0)/t0
         info.sigma = sigma
-
-        def e(l_kv: float) -> float:                               # decode demand in roofline tokens
-            return 1.0 if unit else (a_d * l_kv + b_d) * inv_k
-
         base_rate = sum(e(r.kv_len) / r.tpot_slo for r in dec_adm) if colocated else 0.0
-        forced = []
-        for r in pre_adm:
-            if r.token_times:   # re-prefill after a preemption: its next token's deadline on the line
-                pddl = r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo
-            else:
-                pddl = r.arrival + r.ttft_slo
-            rate = e(r.prefill_len) / r.tpot_slo if colocated else 0.0
-            forced.append(Job(pddl, r.prefill_len - r.prefilled, rate))
+        # a re-prefill after a preemption is due by its next token's deadline on the line
+        forced = [Job(_next_deadline(r), r.remaining_prefill, e(r.prefill_len) / r.tpot_slo if colocated else 0.0)
+                  for r in pre_adm]
         # tiers by TPOT SLO (§3.2.1 "Multi-Decode SLOs"); a tier's rate uses its mean prompt length
         new.sort(key=_pddl_id)
         tiers: dict[float, list] = {}
@@ -374,16 +348,15 @@ class SLOsServe(LocalPolicy):
         # memory (the m dimension of §3.2.1): KV blocks left once the admitted requests have
         # theirs, in mem_units units; a new request takes its prompt plus ô tokens
         mem_cap = None
-        bs = view.block_size
-        m_blocks = [-(-(r.prefill_len + self._growth(0, r.tpot_slo)) // bs) for r in new]
         if self.mem_units:
+            bs, o_hat = view.block_size, self.mean_output_len
             cap_blocks = view.free_blocks - view.reserve_blocks - committed
             unit_blocks = max(1, -(-max(cap_blocks, 1) // self.mem_units))
             mem_cap = int(max(cap_blocks, 0) // unit_blocks)
-            m_units = [int(-(-mb // unit_blocks)) for mb in m_blocks]
+            m_units = [int(-(-self._blocks_to_come(r, r.prefill_len, bs, o_hat) // unit_blocks)) for r in new]
         else:
             m_units = [0] * len(new)
-        jobs = [Job(r.arrival + r.ttft_slo, r.prefill_len - r.prefilled, 0.0, tier_of[r.tpot_slo], mu)
+        jobs = [Job(r.arrival + r.ttft_slo, r.remaining_prefill, 0.0, tier_of[r.tpot_slo], mu)
                 for r, mu in zip(new, m_units)]
         ok = feasible_alone(now, sigma, base_rate, forced, jobs, tier_rates, mem_cap)
         dp_idx = [i for i, f in enumerate(ok) if f]
@@ -415,13 +388,25 @@ class SLOsServe(LocalPolicy):
         self.declined.discard(req.id)
         self._o_hat.observe(req)   # its true output length (learned, never read early)
 
-    def _growth(self, emitted: int, tpot: float) -> float:
-        """KV tokens a request that emitted ``emitted`` tokens is still expected to add
-        (``mem_growth="horizon"``: only those within the planning horizon)."""
-        left = max(self.mean_output_len - emitted, 1.0)
+    def _blocks_to_come(self, r, length: int, bs: int, o_hat: float) -> float:
+        """KV blocks ``r`` is expected to take beyond those it holds: enough for ``length``
+        tokens plus the output it is still expected to add, up to ô in all
+        (``mem_growth="horizon"``: only what falls within the planning horizon)."""
+        left = max(o_hat - r.num_emitted, 1.0)
         if self.mem_growth == "horizon":
-            left = min(left, max(self._horizon / tpot, 1.0))
-        return left
+            left = min(left, max(self._horizon / r.tpot_slo, 1.0))
+        return -(-(length + left) // bs) - (-(-r.kv_len // bs))
+
+    def _decode_cost(self, tokens: int):
+        """A decode's cost in roofline tokens, as a function of its KV length: ``T~_d(l_kv)/k̂``
+        with k̂ the marginal of the roofline line active at ``tokens`` (1 with
+        ``decode_cost="unit"``)."""
+        k_hat = self.roofline.marginal(tokens)
+        if self.decode_cost == "unit" or k_hat <= 0:
+            return _unit_cost
+        m = self.est.model
+        a_d, b_d, inv_k = m.a_d, m.b_d, 1.0 / k_hat
+        return lambda l_kv: (a_d * l_kv + b_d) * inv_k
 
     @property
     def mean_output_len(self) -> float:
@@ -439,6 +424,15 @@ class SLOsServe(LocalPolicy):
 
 def _first(x):
     return x[0]
+
+
+def _unit_cost(l_kv) -> float:
+    return 1.0
+
+
+def _next_deadline(r) -> float:
+    """Deadline of ``r``'s next token on the line of §3.2: pDDL + (#emitted)·TPOT."""
+    return r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo
 
 
 def _pddl(r):
