@@ -140,6 +140,13 @@ class MeanOutputLen:
         return self.total / self.count
 
 
+def line_deadline(r) -> float:
+    """Deadline of request ``r``'s next token on the line of §3.2: pDDL + (#emitted)·TPOT
+    (its prefill deadline pDDL before the first token; Eq. 3's fixed deadline, whatever
+    the gain's deadline variant)."""
+    return r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo
+
+
 def default_fit_max_time(classes, batch_time: float | None = None) -> float | None:
     """The default ``fit_max_time``: FIT_SPAN × the loosest of the classes' TPOT SLOs and
     ``batch_time`` (None when no classes are configured)."""

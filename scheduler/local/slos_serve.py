@@ -112,7 +112,7 @@ from ..registry import register_local
 from ..config import check_in_range
 from ..request import ConfigError
 from ..slos_serve_model import (Job, MeanOutputLen, Roofline, admit_dp, check_policy_params, default_fit_max_time,
-                                feasible_alone)
+                                feasible_alone, line_deadline)
 from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
 
 _ONE = 1.0 - 1e-9   # one roofline token, less float noise
@@ -239,7 +239,7 @@ class SLOsServe(LocalPolicy):
         horizon = now + 2.0 * t0
         due, early = [], []
         for r in dec_adm:
-            d = _next_deadline(r)
+            d = line_deadline(r)
             (due if d < horizon else early).append((d, r))
         due.sort(key=_first)
         n_adm = 0
@@ -333,7 +333,7 @@ class SLOsServe(LocalPolicy):
         info.sigma = sigma
         base_rate = sum(e(r.kv_len) / r.tpot_slo for r in dec_adm) if colocated else 0.0
         # a re-prefill after a preemption is due by its next token's deadline on the line
-        forced = [Job(_next_deadline(r), r.remaining_prefill, e(r.prefill_len) / r.tpot_slo if colocated else 0.0)
+        forced = [Job(line_deadline(r), r.remaining_prefill, e(r.prefill_len) / r.tpot_slo if colocated else 0.0)
                   for r in pre_adm]
         # tiers by TPOT SLO (§3.2.1 "Multi-Decode SLOs"); a tier's rate uses its mean prompt length
         new.sort(key=_pddl_id)
@@ -428,11 +428,6 @@ def _first(x):
 
 def _unit_cost(l_kv) -> float:
     return 1.0
-
-
-def _next_deadline(r) -> float:
-    """Deadline of ``r``'s next token on the line of §3.2: pDDL + (#emitted)·TPOT."""
-    return r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo
 
 
 def _pddl(r):

@@ -49,9 +49,9 @@ from ..config import check_in_range
 from ..local.base import check_count
 from ..request import ConfigError
 from ..slos_serve_model import (FIT_SPAN, Job, MeanOutputLen, Roofline, admit_dp, check_policy_params,
-                                default_fit_max_time)
+                                default_fit_max_time, line_deadline)
 from .base import COLOCATED, DISAGGREGATED, GlobalPolicy
-from .estimates import evaluate, queued_work
+from .estimates import evaluate, queued_work, resolve_eta
 
 BACKUPS = ("first", "min_load")
 
@@ -101,6 +101,9 @@ class SLOsServeRouting(GlobalPolicy):
         self._where: dict[str, int] = {}
         self._roofs: dict[int, tuple[object, Roofline]] = {}
         self._rr = 0
+        # the tightest class TPOT SLO (None without classes): the decodes' TPOT in the
+        # admission check, and the t_budget floor of the min_load backup (as GoRouting's η)
+        self._tpot_min = resolve_eta(None, self.classes, self.name)
         self.last_decision: RouteDecision | None = None
 
     def _roofline(self, model, tpot: float) -> Roofline:
@@ -117,7 +120,7 @@ class SLOsServeRouting(GlobalPolicy):
         est = p.estimator
         m = est.model
         colocated = self.deployment == COLOCATED
-        tpot_min = min((c.tpot_slo for c in self.classes.values()), default=req.tpot_slo)
+        tpot_min = self._tpot_min if self._tpot_min is not None else req.tpot_slo
         roof = self._roofline(m, max(req.tpot_slo, self.batch_time or 0.0))
         t0 = self.batch_time if self.batch_time is not None else tpot_min
         if colocated:
@@ -130,17 +133,16 @@ class SLOsServeRouting(GlobalPolicy):
         def e(l_kv: float) -> float:
             return 1.0 if unit else (m.a_d * l_kv + m.b_d) / k_hat
 
-        base_rate = p.n_decode * e(p.avg_decode_kv) / tpot_min if colocated and p.n_decode else 0.0
         mine = self._admitted.get(p.id, ())
+        if colocated and not self._memory_fits(req, p, m.metadata, mine):
+            return False
+        base_rate = p.n_decode * e(p.avg_decode_kv) / tpot_min if colocated and p.n_decode else 0.0
         forced = []
         for r in p.queue:
             if r.id not in mine or r.id == req.id:
                 continue
             l_q, l_kv = queued_work(p, r)
-            pddl = r.arrival + r.ttft_slo + len(r.token_times) * r.tpot_slo
-            forced.append(Job(pddl, l_q, e(l_q + l_kv) / r.tpot_slo if colocated else 0.0))
-        if colocated and not self._memory_fits(req, p, m.metadata, mine):
-            return False
+            forced.append(Job(line_deadline(r), l_q, e(l_q + l_kv) / r.tpot_slo if colocated else 0.0))
         cand = Job(req.arrival + req.ttft_slo, req.remaining_prefill, 0.0, 0)
         rate = e(req.prompt_len) / req.tpot_slo if colocated else 0.0
         return admit_dp(now, sigma, base_rate, forced, [cand], [rate]).admitted[0]
@@ -186,8 +188,7 @@ class SLOsServeRouting(GlobalPolicy):
                 self._note(req, p)
                 return p
         if self.backup == "min_load":
-            gain, dep = self.gain, self.deployment
-            eta = min((c.tpot_slo for c in self.classes.values()), default=None)
+            gain, dep, eta = self.gain, self.deployment, self._tpot_min
             p = min(prefills, key=lambda q: (evaluate(q, req, now, gain, dep, eta, with_gain=False).exec, q.id))
         else:
             p = prefills[start]
