@@ -31,12 +31,20 @@ from ..request import ConfigError, Request
 MODES = ("line", "window")
 
 
-def request_attained(req: Request, mode: str = "line", window: int = 10) -> bool:
-    """Whether ``req`` attained its SLOs (see the module docstring for ``mode``)."""
+def _check(mode: str, window: int) -> None:
     if mode not in MODES:
         raise ConfigError(f"slos_serve metric: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"slos_serve metric: window must be an integer >= 1, got {window!r}")
+
+
+def request_attained(req: Request, mode: str = "line", window: int = 10) -> bool:
+    """Whether ``req`` attained its SLOs (see the module docstring for ``mode``)."""
+    _check(mode, window)
+    return _attained(req, mode, window)
+
+
+def _attained(req: Request, mode: str, window: int) -> bool:
     if req.error is not None or not req.finished or not req.token_times:
         return False
     t = req.token_times
@@ -55,21 +63,32 @@ def request_attained(req: Request, mode: str = "line", window: int = 10) -> bool
     return True
 
 
+def _share(flags: list[bool]) -> float:
+    return sum(flags) / len(flags) if flags else float("nan")
+
+
 def attainment(reqs: Iterable[Request], mode: str = "line", window: int = 10) -> float:
     """Share of ``reqs`` that attained their SLOs (NaN for no requests)."""
-    reqs = list(reqs)
-    if not reqs:
-        return float("nan")
-    return sum(1 for r in reqs if request_attained(r, mode, window)) / len(reqs)
+    return attainment_by_class(reqs, mode, window)["all"]
 
 
 def attainment_by_class(reqs: Iterable[Request], mode: str = "line", window: int = 10) -> dict[str, float]:
     """Attainment overall (key ``"all"``) and per priority class."""
-    reqs = list(reqs)
-    out = {"all": attainment(reqs, mode, window)}
-    for cls in sorted({r.priority for r in reqs}):
-        out[cls] = attainment([r for r in reqs if r.priority == cls], mode, window)
-    return out
+    return _by_class(list(reqs), mode, window)[0]
+
+
+def _by_class(reqs: list[Request], mode: str, window: int) -> tuple[dict[str, float], int]:
+    """(attainment overall and per class, number attained), each request judged once."""
+    if reqs:
+        _check(mode, window)
+    ok = [_attained(r, mode, window) for r in reqs]
+    groups: dict[str, list[bool]] = {}
+    for r, a in zip(reqs, ok):
+        groups.setdefault(r.priority, []).append(a)
+    out = {"all": _share(ok)}
+    for cls in sorted(groups):
+        out[cls] = _share(groups[cls])
+    return out, sum(ok)
 
 
 def capacity(points: Sequence[tuple[float, float]], target: float = 0.9, num_gpus: int = 1,
@@ -107,7 +126,6 @@ def capacity(points: Sequence[tuple[float, float]], target: float = 0.9, num_gpu
 def summary(reqs: Iterable[Request], mode: str = "line", window: int = 10) -> dict:
     """The per-run numbers: attainment overall and per class, and the count attained."""
     reqs = list(reqs)
-    by = attainment_by_class(reqs, mode, window)
+    by, attained = _by_class(reqs, mode, window)
     return {"mode": mode, "window": window if mode == "window" else None, "requests": len(reqs),
-            "attained": sum(1 for r in reqs if request_attained(r, mode, window)),
-            "attainment": by}
+            "attained": attained, "attainment": by}
