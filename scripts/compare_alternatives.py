@@ -61,9 +61,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scheduler.paper_metrics import jitserve, slos_serve, uniboost  # noqa: E402
-from scheduler.tdg import summarize  # noqa: E402
 from sim.__main__ import RunSpec, _gain, _load_model, _workload  # noqa: E402
 from sim.cluster import SimConfig, Simulator  # noqa: E402
+from sim.report import _clean, lookup, metrics_dict  # noqa: E402
 
 # SlideBatching first (drawn bold), then the three alternatives, then the baselines.
 COLOCATED_LOCALS = (
@@ -152,7 +152,7 @@ def run_one(spec: RunSpec) -> dict:
     sim = Simulator(model, spec.sim, gain, spec.classes)
     res = sim.run(reqs)
     wall = time.perf_counter() - t0
-    metrics = {k: v.as_dict() for k, v in summarize(res.requests, gain, res.duration).items()}
+    metrics = metrics_dict(res.requests, gain, res.duration)
     for cls, extra in paper_metrics(res.requests, res.duration).items():
         metrics.setdefault(cls, {}).update(extra)
     return {
@@ -227,15 +227,10 @@ def run_all(specs: list[RunSpec], jobs: int) -> list[dict]:
 
 
 # -- aggregation -----------------------------------------------------------------------------
-def lookup(metrics: dict, key: str) -> float:
-    name, _, cls = key.partition("@")
-    m = metrics.get(cls or "all") or {}
-    v = m.get(name)
-    return float("nan") if v is None else float(v)
-
-
-def _mean_sd(vals: list[float]) -> tuple[float, float]:
-    vals = [v for v in vals if v is not None and not math.isnan(v)]
+def _mean_sd(vals: list) -> tuple[float, float]:
+    """Mean and sample sd of the values that are neither None nor NaN."""
+    vals = [float(v) for v in vals if v is not None]
+    vals = [v for v in vals if not math.isnan(v)]
     if not vals:
         return float("nan"), float("nan")
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
@@ -254,8 +249,7 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
             mean[cls], sd[cls] = {}, {}
             for k, v in rs[0]["metrics"][cls].items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) or v is None:
-                    vals = [x["metrics"].get(cls, {}).get(k) for x in rs]
-                    mean[cls][k], sd[cls][k] = _mean_sd([float(x) for x in vals if x is not None])
+                    mean[cls][k], sd[cls][k] = _mean_sd([x["metrics"].get(cls, {}).get(k) for x in rs])
         rows.append({"series": series, "policy": rs[0]["policy"], "global": rs[0]["global"],
                      "local_params": rs[0].get("local_params", {}), "rate": rate,
                      "seeds": sorted(x["seed"] for x in rs), "errors": sum(x["errors"] for x in rs),
@@ -290,20 +284,10 @@ def capacity_table(runs: Sequence[dict], key: str = "slos_attainment", target: f
     return out
 
 
-def _clean(x):
-    """JSON has no NaN/inf: null. (Values keep full precision, so that the tables
-    ``--summary`` prints from the JSON round exactly as the sweep's own.)"""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    return x
-
-
 def write_compact_json(path: Path, obj) -> None:
-    """Compact, one line per run (``runs`` is the bulk of the file)."""
+    """Compact, one line per run (``runs`` is the bulk of the file); NaN/inf as null.
+    (Values keep full precision, so that the tables ``--summary`` prints from the JSON
+    round exactly as the sweep's own.)"""
     obj = _clean(obj)
     runs = obj.pop("runs", [])
     body = json.dumps(obj, separators=(",", ":"))[:-1]
@@ -516,7 +500,6 @@ def main(argv: Iterable[str] | None = None) -> int:
             plot(data["rows"], out / f"{dep}.png", title=f"{dep}, {data['shape']}, Azure conversation trace")
         return 0
     t0 = time.perf_counter()
-    results = {}
     for dep in deps:
         if dep == "colocated":
             combos = [(lp, "round_robin") for lp in args.locals.split(",") if lp]
@@ -530,7 +513,6 @@ def main(argv: Iterable[str] | None = None) -> int:
                         make_plot=not args.no_plot)
         else:
             ap.error(f"unknown deployment {dep!r}")
-        results[dep] = res
         print(res["markdown"])
         print()
     total = time.perf_counter() - t0
