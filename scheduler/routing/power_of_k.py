@@ -61,7 +61,7 @@ from ..local.gmax import GOODPUTS, achievable_goodput
 from ..registry import register_global
 from ..request import ConfigError, Request
 from .base import COLOCATED, DISAGGREGATED, GlobalPolicy, PrefillInstance
-from .estimates import queued_work, resolve_eta
+from .estimates import lag, queued_work, resolve_eta
 
 
 @dataclass
@@ -100,7 +100,7 @@ class PowerOfK(GlobalPolicy):
     # -- the dummy's priority on one replica --------------------------------------------------
     def _speeds(self, p: PrefillInstance, tpot: float) -> tuple[float, float]:
         """(v, stretch): per-token step time and the wall time per unit of prefill work."""
-        est, m = p.estimator, p.estimator.model
+        est = p.estimator
         t_c = est.t_c
         if self.deployment == COLOCATED:
             b_d = est.decode(p.avg_decode_kv)
@@ -110,20 +110,20 @@ class PowerOfK(GlobalPolicy):
             return v, (eta / cap if cap > 0 else math.inf)                     # Eq. 8 scale
         return math.nan, 1.0
 
-    def _priority(self, r: Request, p: PrefillInstance, l_q: int, l_kv: int, wait: float, now: float,
-                  v: float, stretch: float) -> tuple[float, float]:
-        """(Priority_p(r), t_first) if r's prefill starts on p after ``wait`` seconds."""
+    def _priority(self, r: Request, p: PrefillInstance, t_pre: float, wait: float, now: float,
+                  v: float) -> tuple[float, float]:
+        """(Priority_p(r), t_first) if r's prefill, ``t_pre`` seconds on p (0: none left), starts
+        after ``wait`` seconds."""
         est = p.estimator
         gain = self.gain
         n = r.num_emitted
-        L = self.bound.upper(n) - n
-        x = est.prefill(l_q, l_kv) if l_q > 0 else 0.0
-        colocated = self.deployment == COLOCATED
-        t_pre = x * stretch + est.t_c if x > 0 else 0.0
-        t_first = wait + (t_pre if l_q > 0 else v if colocated else 0.0)
-        if colocated:
-            t_gen = (t_pre if l_q > 0 else v) + (L - 1) * v
+        L = self.bound.remaining(n)
+        if self.deployment == COLOCATED:
+            t_next = t_pre if t_pre > 0 else v
+            t_first = wait + t_next
+            t_gen = t_next + (L - 1) * v
         else:
+            t_first = wait + t_pre
             v = est.t_c + est.decode(r.prompt_len + n)                         # decode elsewhere, lightly loaded
             t_gen = t_pre if t_pre > 0 else est.t_c
         tdg = self.goodput == "tdg"
@@ -139,32 +139,34 @@ class PowerOfK(GlobalPolicy):
         idx = list(range(M)) if K == M else sorted(self.rng.sample(range(M), K))
         dec = KDecision(request=req.id, chosen=-1, sampled=[prefills[i].id for i in idx])
         best_key, best = None, idx[0]
+        l_q0, l_kv0 = req.remaining_prefill, req.kv_len
         for i in idx:
             p = prefills[i]
+            est = p.estimator
+            t_c = est.t_c
             v, stretch = self._speeds(p, req.tpot_slo)
-            own = (req.remaining_prefill, req.kv_len)
-            p0, _ = self._priority(req, p, *own, 0.0, now, v, stretch)
+            # the prefill on p, stretched by the decode share of each step, plus one step's overhead
+            own = est.prefill(l_q0, l_kv0) * stretch + t_c if l_q0 > 0 else 0.0
+            p0, _ = self._priority(req, p, own, 0.0, now, v)
             # prefill work GMAX would run on p before the dummy: the queued requests whose
             # priority there (computed the same way) is at least the dummy's
             ahead = total = 0.0
-            t_c = p.estimator.t_c
             for q in p.queue:
                 l_q, l_kv = queued_work(p, q)
                 if l_q <= 0:
                     continue
-                work = p.estimator.prefill(l_q, l_kv) * stretch + t_c
+                work = est.prefill(l_q, l_kv) * stretch + t_c
                 total += work
-                pq, _ = self._priority(q, p, l_q, l_kv, 0.0, now, v, stretch)
-                if pq >= p0:
+                if self._priority(q, p, work, 0.0, now, v)[0] >= p0:
                     ahead += work
-            lag = max(0.0, now - p.ts)
-            wait = max(0.0, ahead - lag)                                          # lag compensation
-            prio, t_first = self._priority(req, p, *own, wait, now, v, stretch)
+            lag_ = lag(p, now)
+            wait = max(0.0, ahead - lag_)                                         # lag compensation
+            prio, t_first = self._priority(req, p, own, wait, now, v)
             dec.priority[p.id], dec.t_first[p.id], dec.ahead[p.id] = prio, t_first, ahead
             # ties (a request that outranks everything queued sees no wait anywhere) go to the
             # replica with the least queued work: in the paper the first replica to schedule one
             # of the request's copies wins, which is the idlest one, not the lowest-numbered
-            key = (-prio, t_first, max(0.0, total - lag), p.id)
+            key = (-prio, t_first, max(0.0, total - lag_), p.id)
             if best_key is None or key < best_key:
                 best_key, best = key, i
         dec.chosen = prefills[best].id
