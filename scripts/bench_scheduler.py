@@ -136,12 +136,21 @@ def _ordered(names: list[str], first: str) -> list[str]:
     return [first] + [n for n in names if n != first]
 
 
+def _turns(names: list[str], untimed: int, repeat: int) -> list[tuple[str, int, bool]]:
+    """(policy, calls, timed) blocks: ``untimed`` calls per policy, then ROUNDS timed blocks of
+    ``repeat // ROUNDS`` calls per policy (each block starting with one more, untimed call),
+    the policies taking turns block by block."""
+    per = max(1, repeat // ROUNDS)
+    return [(name, untimed, False) for name in names] + \
+        [(name, per + 1, True) for _ in range(ROUNDS) for name in names]
+
+
 def _heavy_call(name: str, pol) -> str | None:
-    """For stateful policies: a label if the call just made did extra work."""
+    """For stateful policies: what extra work the call just made did, if any."""
     if name == "slos_serve" and pol.last is not None and (pol.last.admitted or pol.last.declined):
-        return f"admission DP over up to {pol.max_new} new requests"
+        return f"made an admission DP over up to {pol.max_new} new requests"
     if name == "jitserve_gmax" and pol._frame_pos == 0:
-        return "frame boundary (group re-decided)"
+        return "were a frame boundary (group re-decided)"
     return None
 
 
@@ -161,13 +170,9 @@ def bench_local_all(n: int, warmup: int, repeat: int) -> None:
         view = InstanceView(100.0, waiting, decoding, free_blocks=1 << 30, block_size=16)
         pol = make_local(name, Estimator(MODEL), GAIN)
         state[name] = {"pol": pol, "view": view, "ts": [], "heavy": {}, "first": 0.0}
-    # first call and warm-up per policy, then the timed calls in ROUNDS blocks per policy, the
-    # policies taking turns block by block (each block starts with one untimed call)
-    plan = [(name, 1 + warmup, False) for name in names]
-    per = max(1, repeat // ROUNDS)
-    plan += [(name, per + 1, True) for _ in range(ROUNDS) for name in names]
+    # first call and warm-up per policy, then the timed calls
     calls = {name: 0 for name in names}
-    for name, count, timed in plan:
+    for name, count, timed in _turns(names, 1 + warmup, repeat):
         st = state[name]
         pol, view = st["pol"], st["view"]
         for c in range(count):
@@ -191,10 +196,8 @@ def bench_local_all(n: int, warmup: int, repeat: int) -> None:
         print(f"{name:>18} {st['first'] * 1e3:>8.3f} ms {med * 1e3:>7.3f} ms {_pct(ts, 0.9) * 1e3:>7.3f} ms "
               f"{med / base:>17.1f}")
         for label, xs in st["heavy"].items():
-            heavy_lines.append(f"  {name}: {len(xs)} calls after the first made an {label}"
-                               if label.startswith("admission") else
-                               f"  {name}: {len(xs)} calls after the first were a {label}")
-            heavy_lines[-1] += f": median {statistics.median(xs) * 1e3:.3f} ms, max {max(xs) * 1e3:.3f} ms"
+            heavy_lines.append(f"  {name}: {len(xs)} calls after the first {label}: "
+                               f"median {statistics.median(xs) * 1e3:.3f} ms, max {max(xs) * 1e3:.3f} ms")
     if heavy_lines:
         print("Heavier calls of stateful policies (counted in the median / P90 above only if after warm-up):")
         print("\n".join(heavy_lines))
@@ -203,10 +206,9 @@ def bench_local_all(n: int, warmup: int, repeat: int) -> None:
     # waiting and just arrived, a fresh policy each time; its first two calls both run the DP
     # over max_new (32) new requests (the rest are pending, then declined as infeasible).
     waiting, decoding = _queue(n, 100.0, random.Random(7))
-    fresh = []
-    for r in waiting + decoding:
+    fresh = waiting + decoding
+    for r in fresh:
         r.arrival, r.prefilled, r.kv_len, r.token_times, r.phase = 100.0, 0, 0, [], r.phase.WAITING
-        fresh.append(r)
     view = InstanceView(100.0, fresh, [], free_blocks=1 << 30, block_size=16)
     ts, dps = [], 0
     for _ in range(max(3, repeat // 20)):
@@ -249,10 +251,7 @@ def bench_global_all(n_inst: int, per_queue: int, warmup: int, routes: int) -> N
         state[name] = {"pol": pol, "base": base_name, "insts": insts, "qmap": qmap, "now": now,
                        "rng": random.Random(2), "ts": [], "admitted": 0, "hops": 0,
                        "lens": [len(p.queue) for p in insts]}
-    per = max(1, routes // ROUNDS)
-    plan = [(name, warmup, False) for name in names]
-    plan += [(name, per + 1, True) for _ in range(ROUNDS) for name in names]
-    for name, count, timed in plan:
+    for name, count, timed in _turns(names, warmup, routes):
         st = state[name]
         pol, insts, qmap, rng = st["pol"], st["insts"], st["qmap"], st["rng"]
         for c in range(count):
