@@ -177,8 +177,8 @@ def achievable_goodput(L: int, lam: float, s: float, w_first: float, w_rest: flo
     if s == 0.0:
         count = L
     else:  # slower than the TPOT SLO: the early lead is used up after -lam/|s| tokens
-        x = -lam / -s
-        count = L if x >= L else min(L, math.ceil(x))
+        x = lam / s
+        count = L if x >= L else math.ceil(x)
     return w_first + (count - 1) * w_rest
 
 
@@ -269,18 +269,16 @@ class GMAX(LocalPolicy):
                 k = d
         return k
 
-    def _group_size(self, Q: list[Request], mode: str, tb: int) -> int:
+    def _group_size(self, Q: list[Request], mode: str, tb: int, t_d: float) -> int:
+        """B; ``t_d`` is T~_d at the queue's mean context."""
         if self.batch_size is not None:
             return self.batch_size
-        est, m = self.est, self.est.model
         if mode == COLOCATED:
-            l_bar = sum(_context(r) for r in Q) / len(Q)
-            t_d = est.beta * (m.a_d * l_bar + m.b_d)                       # Eq. 6
-            room = self.min_tpot_slo() - est.t_c
             if t_d <= 0:
                 return len(Q)
+            room = self.min_tpot_slo() - self.est.t_c
             return max(1, int(room / t_d)) if room > 0 else 1
-        mean_q = sum(r.prefill_len - r.prefilled for r in Q) / len(Q)
+        mean_q = sum(r.remaining_prefill for r in Q) / len(Q)
         return max(1, math.ceil(tb / max(mean_q, 1.0)))
 
     def _analyze(self, Q: list[Request], now: float, colocated: bool, v_step: float, tb: int) -> None:
@@ -290,15 +288,13 @@ class GMAX(LocalPolicy):
         m, beta = est.model, est.beta
         ap, bp, cp = beta * m.a_p, beta * m.b_p, beta * m.c_p
         ad, bd, t_c = beta * m.a_d, beta * m.b_d, est.t_c
-        anchored = gain.deadline == "ttft_anchored"
         tdg = self.goodput == "tdg"
         w_p, w_d = (gain.w_p, gain.w_d) if tdg else (1.0, 1.0)
         delta, waited = self.delta, self._waited
         step_base = v_step if colocated else t_c
         for r in Q:
-            times = r.token_times
-            n = len(times)
-            L = bound.upper(n) - n                                    # len_rem(r), §4.1
+            n = len(r.token_times)
+            L = bound.remaining(n)                                    # len_rem(r), §4.1
             q = r.prefill_len - r.prefilled
             if q > 0:
                 # prefill: T~_p (Eq. 5) plus one step per token-budget chunk
@@ -311,10 +307,7 @@ class GMAX(LocalPolicy):
             else:
                 v = t_c + ad * (r.prompt_len + n) + bd                # decode elsewhere, lightly loaded
                 t_gen = t_first                                       # this instance's bandwidth: the prefill
-            anchor = r.ttft_slo
-            if anchored and n:
-                anchor = min(times[0] - r.arrival, anchor)
-            d_next = r.arrival + anchor + n * r.tpot_slo              # deadline_{r,n+1} (Eq. 3)
+            d_next = gain.next_token_deadline(r)                      # deadline_{r,n+1} (Eq. 3)
             w = r.weight if tdg else 1.0
             g = achievable_goodput(L, now + t_first - d_next, r.tpot_slo - v,
                                    (w_p if n == 0 else w_d) * w, w_d * w)
@@ -370,16 +363,16 @@ class GMAX(LocalPolicy):
         self._last_decodes = []
         if not Q:
             return b.finish(token_budget=tb)
-        B = self.last_B = self._group_size(Q, view.mode, tb)
-        # v_token: one step of the running batch (t_c + its decodes, Eq. 6-7)
         est, m = self.est, self.est.model
+        t_d = est.decode(sum(_context(r) for r in Q) / len(Q))   # T~_d at the mean context (Eq. 6)
+        B = self.last_B = self._group_size(Q, view.mode, tb, t_d)
+        # v_token: one step of the running batch (t_c + its decodes, Eq. 6-7)
         if colocated and view.decoding:
             dec = view.decoding
             mean_kv = sum(r.kv_len for r in dec) / len(dec)
             v_step = est.t_c + min(B, len(dec)) * est.beta * (m.a_d * mean_kv + m.b_d)
         else:
-            l_bar = sum(_context(r) for r in Q) / len(Q)
-            v_step = est.t_c + est.beta * (m.a_d * l_bar + m.b_d)
+            v_step = est.t_c + t_d
         self._analyze(Q, view.now, colocated, v_step, tb)
         group_ids = self._group
         members = [r for r in Q if r.id in group_ids]
@@ -387,11 +380,8 @@ class GMAX(LocalPolicy):
             self._frame_pos = 0
             group = self._regroup(Q, members, B, v_step)
             ids = {r.id for r in group}
-            waited = {}
-            for r in Q:                       # δ per frame spent outside the group; drop gone ids
-                c = self._waited.get(r.id, 0)
-                waited[r.id] = c + 1 if r.id not in ids else c
-            self._waited = {k: c for k, c in waited.items() if c}
+            old = self._waited                # δ per frame spent outside the group; drop gone ids
+            self._waited = {r.id: c for r in Q if (c := old.get(r.id, 0) + (r.id not in ids))}
         else:
             group = members
             free = B - len(members)
