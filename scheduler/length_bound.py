@@ -32,7 +32,7 @@ ended with an error (aborted, rejected) is right-censored — its true length is
 unknown — and is not used.
 
 Prior, before enough data (fewer than ``min_samples`` completed lengths above
-``n``): ``U(n) = max(prior_len, 2·n, n + 1)``.
+``n``): ``U(n) = max(prior_len, 2·n)`` (> n, as prior_len ≥ 1).
 
 Defaults, each settable:
 
@@ -53,17 +53,11 @@ Defaults, each settable:
 from __future__ import annotations
 
 import math
-import numbers
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
-from .request import ConfigError
-
-
-def _check_int(where: str, name: str, v, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-        raise ConfigError(f"{where}: {name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
+from .config import check_in_range
+from .local.base import check_count
 
 
 class LengthBound:
@@ -71,12 +65,9 @@ class LengthBound:
 
     def __init__(self, quantile: float = 0.95, history: int = 5000, min_samples: int = 20,
                  prior_len: int = 1024, where: str = "length bound"):
-        if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0 < quantile < 1:
-            raise ConfigError(f"{where}: quantile must be a number in (0, 1), got {quantile!r}")
-        self.quantile = float(quantile)
-        self.history = _check_int(where, "history", history, 1)
-        self.min_samples = _check_int(where, "min_samples", min_samples, 1)
-        self.prior_len = _check_int(where, "prior_len", prior_len, 1)
+        self.quantile = check_in_range(where, "quantile", quantile, 0.0, 1.0, True, True)
+        check_count(where, history=history, min_samples=min_samples, prior_len=prior_len)
+        self.history, self.min_samples, self.prior_len = int(history), int(min_samples), int(prior_len)
         self._sorted: list[int] = []          # the window, sorted
         self._order: deque[int] = deque()     # the window, oldest first
         self._cache: dict[int, int] = {}      # n -> U_q(n), cleared on every update
@@ -99,7 +90,7 @@ class LengthBound:
         self.seen += 1
 
     def prior(self, n: int) -> int:
-        return max(self.prior_len, 2 * n, n + 1)
+        return max(self.prior_len, 2 * n)
 
     def upper(self, n: int) -> int:
         """U_q(n): upper bound of the total output length of a request that has
