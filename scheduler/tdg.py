@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -156,6 +156,20 @@ def class_metrics(name: str, reqs: Sequence[Request], gain: GainConfig, duration
     )
 
 
+def run_duration(reqs: Sequence[Request]) -> float:
+    """First arrival → last emitted token (0 if none was emitted): the default ``duration``
+    of the rates here and in :mod:`scheduler.paper_metrics`."""
+    ends = [r.token_times[-1] for r in reqs if r.token_times]
+    return (max(ends) - min(r.arrival for r in reqs)) if ends else 0.0
+
+
+def class_groups(reqs: Sequence[Request]) -> Iterator[tuple[str, Sequence[Request]]]:
+    """``("all", reqs)``, then each priority class (sorted by name) with its requests."""
+    yield "all", reqs
+    for cls in sorted({r.priority for r in reqs}):
+        yield cls, [r for r in reqs if r.priority == cls]
+
+
 def summarize(reqs: Iterable[Request], gain: GainConfig, duration: float | None = None) -> dict[str, ClassMetrics]:
     """Metrics overall (key ``"all"``) and per priority class.
 
@@ -163,9 +177,5 @@ def summarize(reqs: Iterable[Request], gain: GainConfig, duration: float | None 
     """
     reqs = list(reqs)
     if duration is None:
-        ends = [r.token_times[-1] for r in reqs if r.token_times]
-        duration = (max(ends) - min(r.arrival for r in reqs)) if ends else 0.0
-    out = {"all": class_metrics("all", reqs, gain, duration)}
-    for cls in sorted({r.priority for r in reqs}):
-        out[cls] = class_metrics(cls, [r for r in reqs if r.priority == cls], gain, duration)
-    return out
+        duration = run_duration(reqs)
+    return {name: class_metrics(name, g, gain, duration) for name, g in class_groups(reqs)}

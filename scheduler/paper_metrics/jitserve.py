@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ..request import Request
+from ..tdg import class_groups, run_duration
 
 
 def on_time_tokens(r: Request) -> int:
@@ -82,9 +83,5 @@ def token_goodput(requests: Iterable[Request], duration: float | None = None) ->
     """JITServe's token and request goodput, overall (``"all"``) and per priority class."""
     reqs = list(requests)
     if duration is None:
-        ends = [r.token_times[-1] for r in reqs if r.token_times]
-        duration = (max(ends) - min(r.arrival for r in reqs)) if ends else 0.0
-    out = {"all": _block(reqs, duration)}
-    for cls in sorted({r.priority for r in reqs}):
-        out[cls] = _block([r for r in reqs if r.priority == cls], duration)
-    return out
+        duration = run_duration(reqs)
+    return {name: _block(g, duration) for name, g in class_groups(reqs)}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..request import Request
+from ..tdg import class_groups
 from ..uniboost_bins import empirical_quantile
 
 
@@ -60,11 +61,7 @@ def _stats(reqs: Sequence[Request]) -> TTLTStats:
 
 def ttlt_stats(reqs: Iterable[Request]) -> dict[str, TTLTStats]:
     """TTLT mean/P50/P95/P99 overall (key ``"all"``) and per priority class."""
-    reqs = list(reqs)
-    out = {"all": _stats(reqs)}
-    for cls in sorted({r.priority for r in reqs}):
-        out[cls] = _stats([r for r in reqs if r.priority == cls])
-    return out
+    return {name: _stats(g) for name, g in class_groups(list(reqs))}
 
 
 def p99_ttlt(reqs: Iterable[Request]) -> dict[str, float]:
