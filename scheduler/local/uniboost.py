@@ -129,7 +129,7 @@ from operator import itemgetter
 
 from ..registry import register_local
 from ..request import ConfigError, Request
-from ..uniboost_bins import TailGamma, next_threshold, quantize
+from ..uniboost_bins import TailGamma, boost, next_threshold, quantize
 from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
 
 A_REFS = ("arrival", "phase_entry")
@@ -206,10 +206,8 @@ class UniBoost(LocalPolicy):
         """π(r) = a_r - b_γ(x(QUANTIZE(SIGNAL(r)))) under the current γ (lines 6-9), no hysteresis."""
         dec, s = self.signal(r)
         s_hat = quantize(s, self.k) if self.memguard else max(s, 1)
-        g = self.tail.gamma
-        x = self.service_time(r, s_hat, dec)
         a = r.token_times[0] if dec and self.a_ref == "phase_entry" else r.arrival
-        return a + math.log(-math.expm1(-g * x)) / g
+        return a - boost(self.service_time(r, s_hat, dec), self.tail.gamma)
 
     def pinned(self, r: Request) -> bool:
         """MemGuard: dispatched and its signal has not yet reached the next threshold."""
