@@ -101,6 +101,8 @@ class BatchBuilder:
 
     def add_prefill(self, req: Request, n_tokens: int) -> int:
         """Add up to ``n_tokens`` of ``req``'s prompt, fewer if memory is short. Returns tokens added."""
+        if req.kv_len == 0 and self.free_blocks <= self.view.reserve_blocks:
+            return 0   # a new request gets no block below the reserve (the common case under overload)
         n = min(n_tokens, req.remaining_prefill)
         bs = self.view.block_size
         avail = self.available_blocks(req)
