@@ -1,0 +1,111 @@
+"""ASGI middleware of the prefill and decode workers' HTTP servers (loaded into
+vLLM's OpenAI server with ``--middleware prefill.worker_http.WorkerGuard``;
+``python -m prefill|decode`` adds it).
+
+Two jobs vLLM's server does not do by itself:
+
+* **The KV receiver's liveness is part of ``/health``.** A decode worker's
+  receiver thread runs in the engine process and writes a heartbeat file
+  about once a second (``KVReceiver(heartbeat_path=...)``). When that file
+  is missing or older than ``PROSERVE_KV_HEARTBEAT_MAX_AGE`` seconds
+  (default 5), ``GET /health`` answers 503 with the reason, so the
+  dispatcher takes the worker out instead of sending it requests whose KV
+  can never arrive. Otherwise vLLM's own ``/health`` answers.
+* **``GET /kv/status``** answers the receiver's heartbeat file as JSON (its
+  counters: transfers, rejections by reason, bytes held...), 404 on a worker
+  without a receiver.
+* **Every route but ``/health`` and ``/metrics`` needs the API key.** vLLM's
+  ``--api-key`` (``VLLM_API_KEY``) guards only ``/v1/*``; ``/tokenize``,
+  ``/detokenize`` and the other routes stay open. With a key set, this
+  middleware answers 401 (OpenAI-style JSON) to any request on them without
+  ``Authorization: Bearer <key>``. ``/health`` and ``/metrics`` stay open for
+  probes and Prometheus: keep the workers' ports on a private network.
+
+Configured from the environment the worker launcher sets:
+``PROSERVE_KV_HEARTBEAT`` (path), ``PROSERVE_KV_HEARTBEAT_MAX_AGE`` and
+``VLLM_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import time
+
+HEARTBEAT_ENV = "PROSERVE_KV_HEARTBEAT"
+HEARTBEAT_MAX_AGE_ENV = "PROSERVE_KV_HEARTBEAT_MAX_AGE"
+OPEN_PATHS = ("/health", "/metrics")
+#: what vLLM's own AuthenticationMiddleware already guards
+VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def receiver_problem(path: str | None, max_age: float, now: float | None = None) -> str | None:
+    """Why the KV receiver counts as dead (None when it is alive or there is none)."""
+    if not path:
+        return None
+    try:
+        age = (time.time() if now is None else now) - os.stat(path).st_mtime
+    except OSError:
+        return f"KV receiver heartbeat {path} is missing (receiver not running)"
+    if age > max_age:
+        return f"KV receiver heartbeat is {age:.1f} s old (receiver thread stopped)"
+    return None
+
+
+async def _json(send, status: int, message: str, type_: str, code) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class WorkerGuard:
+    """Pure ASGI middleware (no body buffering, streaming untouched)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.heartbeat = os.environ.get(HEARTBEAT_ENV) or None
+        self.max_age = float(os.environ.get(HEARTBEAT_MAX_AGE_ENV) or 5.0)
+        key = os.environ.get("VLLM_API_KEY") or ""
+        self._key = hashlib.sha256(key.encode()).digest() if key else None
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers") or ():
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and secrets.compare_digest(
+                    hashlib.sha256(token.strip().encode()).digest(), self._key)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path == "/health":
+            why = receiver_problem(self.heartbeat, self.max_age)
+            if why is not None:
+                return await _json(send, 503, why, "service_unavailable", 503)
+            return await self.app(scope, receive, send)
+        if (self._key is not None and scope.get("method") != "OPTIONS" and path not in OPEN_PATHS
+                and not path.startswith(VLLM_GUARDED) and not self._authorized(scope)):
+            return await _json(send, 401, "missing or invalid API key for this worker", "authentication_error",
+                               "invalid_api_key")
+        if path == "/kv/status":
+            return await self._kv_status(send)
+        return await self.app(scope, receive, send)
+
+    async def _kv_status(self, send) -> None:
+        if not self.heartbeat:
+            return await _json(send, 404, "this worker has no KV receiver", "not_found_error", 404)
+        try:
+            with open(self.heartbeat) as f:
+                body = f.read().encode()
+            json.loads(body)
+        except (OSError, ValueError) as e:
+            return await _json(send, 503, f"KV receiver status unavailable: {e}", "service_unavailable", 503)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

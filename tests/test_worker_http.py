@@ -1,0 +1,92 @@
+"""The workers' HTTP guard (prefill.worker_http): the KV receiver's heartbeat is
+part of /health, and every route but /health and /metrics needs the API key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from prefill import worker_http
+
+
+def call(guard, path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict | None, bool]:
+    """(status, JSON body or None, whether the wrapped app was reached)."""
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    guard.app = app
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "path": path, "method": method,
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    asyncio.run(guard(scope, receive, send))
+    status = sent[0]["status"]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, (json.loads(body) if body else None), bool(reached)
+
+
+def make_guard(monkeypatch, heartbeat=None, key=None) -> worker_http.WorkerGuard:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv(worker_http.HEARTBEAT_ENV, raising=False)
+    if heartbeat:
+        monkeypatch.setenv(worker_http.HEARTBEAT_ENV, str(heartbeat))
+    if key:
+        monkeypatch.setenv("VLLM_API_KEY", key)
+    monkeypatch.setenv(worker_http.HEARTBEAT_MAX_AGE_ENV, "5")
+    return worker_http.WorkerGuard(None)
+
+
+def test_health_follows_the_receiver_heartbeat(tmp_path, monkeypatch):
+    hb = tmp_path / "kv.heartbeat"
+    g = make_guard(monkeypatch, heartbeat=hb)
+    status, body, reached = call(g, "/health")
+    assert status == 503 and "missing" in body["error"]["message"] and not reached
+    hb.write_text(json.dumps({"time": time.time(), "stats": {"transfers_completed": 3}}))
+    assert call(g, "/health")[0] == 200 and call(g, "/health")[2]
+    old = time.time() - 60
+    os.utime(hb, (old, old))
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "old" in body["error"]["message"]
+
+
+def test_no_receiver_means_plain_vllm_health(monkeypatch):
+    g = make_guard(monkeypatch)
+    assert call(g, "/health") == (200, None, True)
+    assert call(g, "/kv/status")[0] == 404
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(tmp_path, monkeypatch):
+    hb = tmp_path / "kv.heartbeat"
+    hb.write_text(json.dumps({"time": time.time(), "stats": {"acks_sent": 1}}))
+    g = make_guard(monkeypatch, heartbeat=hb, key="sk-worker-secret")
+    for path in ("/tokenize", "/detokenize", "/kv/status", "/reset_prefix_cache"):
+        status, body, reached = call(g, path)
+        assert status == 401 and body["error"]["type"] == "authentication_error" and not reached, path
+        assert call(g, path, {"Authorization": "Bearer wrong"})[0] == 401
+    assert call(g, "/tokenize", {"Authorization": "Bearer sk-worker-secret"})[2]
+    status, body, _ = call(g, "/kv/status", {"Authorization": "Bearer sk-worker-secret"})
+    assert status == 200 and body["stats"]["acks_sent"] == 1
+    # /health and /metrics stay open for probes; /v1/* is vLLM's own --api-key check
+    assert call(g, "/health")[2] and call(g, "/metrics")[2] and call(g, "/v1/completions")[2]
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                           ("[::1]", True), ("0.0.0.0", False), ("10.0.0.5", False),
+                                           ("example.com", False)])
+def test_loopback_hosts(host, loopback):
+    from prefill.worker import is_loopback_host
+    assert is_loopback_host(host) is loopback
