@@ -19,7 +19,10 @@ DEFAULT_CHUNK_BYTES = 4 << 20          # payload bytes per kv message
 DEFAULT_CREDIT_BYTES = 64 << 20        # flow-control window per sender connection
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20   # header + payload, checked on receive
 MESSAGE_OVERHEAD = 1024                # credit charged per payload message on top of its bytes
+MIN_CREDIT_BYTES = 4 * MESSAGE_OVERHEAD   # smallest window a receiver may grant (senders refuse less)
+MIN_MAX_MESSAGE_BYTES = 4096           # smallest max_message a receiver may announce
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_CONNECT_TIMEOUT_S = 2.0        # a new connection's 'hello' must be answered within this
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -29,6 +32,12 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A bounded wait (credit, ack, receipt) ran out of time."""
+
+
+class DestinationUnavailable(TransferError):
+    """The sender's circuit breaker for this destination is open (it failed
+    recently: no answer to ``hello``, a transfer timed out with nothing heard,
+    or the connection was reset); the transfer was refused without waiting."""
 
 
 class Stats:
@@ -49,6 +58,10 @@ class Stats:
         if v > self.c.get(name, 0):
             self.c[name] = v
 
+    def set(self, name: str, v: float) -> None:
+        """A gauge (a current value, not a count)."""
+        self.c[name] = v
+
     def reject(self, reason: str) -> int:
         with self._lock:
             self.rejected[reason] += 1
@@ -62,9 +75,13 @@ class Stats:
         return d
 
 
+def worth_logging(count: int) -> bool:
+    """The first few of a kind, then every 1000th: a flood must not flood the log."""
+    return count <= 10 or count % 1000 == 0
+
+
 def log_reject(side: str, count: int, err: Any, peer: str = "") -> None:
-    # the first few of each reason, then every 1000th: a flood must not flood the log
-    if count <= 10 or count % 1000 == 0:
+    if worth_logging(count):
         log.warning("kvtransfer %s: rejected message%s (%s; %d so far for this reason)",
                     side, f" from {peer}" if peer else "", err, count)
 
@@ -136,5 +153,5 @@ def accepts_kwargs(fn: Callable, names: Iterable[str]) -> bool:
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MESSAGE_OVERHEAD",
-           "DEFAULT_TIMEOUT_S", "DEFAULT_HOST", "TransferError", "TransferTimeout", "Stats", "WireError",
-           "normalize_dtype", "free_port"]
+           "DEFAULT_TIMEOUT_S", "DEFAULT_HOST", "TransferError", "TransferTimeout", "DestinationUnavailable",
+           "Stats", "WireError", "normalize_dtype", "free_port"]

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import collections
+import json
+import logging
+import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
+from .auth import ServerKeys, is_loopback
 from .common import (DEFAULT_CREDIT_BYTES, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S,
                      MESSAGE_OVERHEAD, Stats, TransferError, TransferTimeout, accepts_kwargs, log, log_reject,
-                     numpy_dtype)
+                     numpy_dtype, worth_logging)
 from .wire import DTYPES, SENDER_KINDS, WireError
 
-_POLL_MS = 100
-
+_POLL_MS = 100  # the receiver thread goes round its loop at least this often (heartbeat)
 
 
 @dataclass
@@ -85,6 +90,7 @@ class TransferResult:
     nbytes: int
     layers: dict = field(default_factory=dict)   # layer -> LayerData (empty with on_chunk or on error)
     elapsed_s: float = 0.0                       # first message -> done
+    digest: str = ""                             # the sender's opaque 'done' digest (see kvtransfer.wire)
 
     def raise_for_error(self) -> "TransferResult":
         if not self.ok:
@@ -99,6 +105,9 @@ class TransferResult:
 
 
 class _RxTransfer:
+    """An open (partial) transfer, owned by the peer that sent its first message."""
+    __slots__ = ("xfer_id", "peer", "layers", "chunks", "nbytes", "t0", "last")
+
     def __init__(self, xfer_id: str, peer: bytes, now: float):
         self.xfer_id = xfer_id
         self.peer = peer
@@ -109,10 +118,61 @@ class _RxTransfer:
         self.last = now
 
 
+class _Peer:
+    """Receiver-thread bookkeeping of one connection (routing id)."""
+    __slots__ = ("credit", "last_seen")
+
+    def __init__(self, now: float):
+        self.credit = 0          # consumed credit not yet returned (less than a batch)
+        self.last_seen = now
+
+
+class _Stored(NamedTuple):
+    """An uncollected final result."""
+    at: float                   # when it was stored (for result_ttl_s)
+    result: TransferResult
+    peer: bytes | None          # the owner (None: closed by the receiver itself)
+    held: int                   # payload bytes it keeps (counted in _held and _peer_held)
+
+
+class _AllowList:
+    """ZAP credentials provider: admits the configured client public keys only
+    (called on the authenticator's thread)."""
+
+    def __init__(self, keys: frozenset, stats: Stats, name: str):
+        self.keys = keys
+        self.stats = stats
+        self.name = name
+        self.denied = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        self.denied += 1
+        self.stats.add("auth_failures")
+        if worth_logging(self.denied):
+            log.warning("kvtransfer receiver %s: refused a CURVE client whose public key is not in the allowed "
+                        "clients (%d refused so far)", self.name, self.denied)
+        return False
+
+
+DEFAULT_MAX_HELD_BYTES = 2 << 30
+DEFAULT_MAX_PEER_BYTES = 1 << 30
+DEFAULT_MAX_OPEN_TRANSFERS = 1024
+DEFAULT_STALE_AFTER_S = 30.0
+DEFAULT_RESULT_TTL_S = 120.0
+CONTROL_ALLOWANCE = 64          # control messages (hello, ...) budgeted per connection beyond the data
+HEARTBEAT_INTERVAL_S = 1.0
+
 _RECEIVER_STATS = ("bytes_received", "chunks_received", "messages_received", "transfers_completed",
                    "transfers_failed", "transfers_aborted", "transfers_abandoned", "transfers_stale",
                    "results_expired", "acks_sent", "nacks_sent", "credit_messages", "send_failures",
-                   "wait_timeouts", "held_bytes_max", "late_done")
+                   "wait_timeouts", "held_bytes_max", "late_done", "internal_errors", "auth_failures",
+                   "handshake_failures", "heartbeat_write_errors",
+                   # gauges, refreshed about once a second by the receiver thread
+                   "held_bytes", "open_transfers", "stored_results", "peers")
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class KVReceiver:
@@ -121,7 +181,9 @@ class KVReceiver:
 
     ``address`` defaults to ``tcp://127.0.0.1:<port>`` (``port=0``: an ephemeral
     port; see :attr:`address` for the bound endpoint); ``ipc://`` paths work too.
-    A non-loopback address is only ever bound when passed explicitly.
+    Binding a non-loopback address (see :func:`kvtransfer.auth.is_loopback`)
+    needs CURVE keys (``curve=ServerKeys.load(dir)``: encrypted, and only the
+    allowed client keys can connect), or ``allow_insecure=True``.
 
     With ``on_chunk=None`` the chunks of each transfer are kept (zero-copy
     ZeroMQ frames) and handed over by :meth:`wait` as a :class:`TransferResult`.
@@ -133,54 +195,131 @@ class KVReceiver:
     exception from the callback fails that transfer. The ``ack`` that lets the
     sender free its blocks goes out as soon as the transfer is complete (all
     chunks received and consumed), from the receiver thread.
+
+    Bounds (each a constructor argument; see ``kvtransfer.transport`` for how
+    the ZeroMQ options derive from them):
+
+    ``max_open_transfers`` (1024)
+        open (partial) transfers plus stored uncollected results; a message
+        that would start another one is rejected (``nack``, counted as
+        ``rejected["too_many_transfers"]``), the existing ones keep working.
+    ``max_held_bytes`` (2 GiB) / ``max_peer_bytes`` (1 GiB)
+        received but uncollected payload, in total / per connection; a chunk
+        over either fails its transfer (``receiver_full`` / ``peer_full``).
+    ``max_message_bytes`` (64 MiB)
+        header + payload of one message.
+    ``stale_after_s`` (30) / ``result_ttl_s`` (120)
+        open transfers with no data for that long fail (``stale``); results
+        nobody collected are dropped after that long.
+
+    Liveness: the thread survives any message (an unexpected error while
+    handling one is counted as ``internal_errors``, logged, and the message
+    dropped). :attr:`alive` tells whether it runs, :attr:`heartbeat` when it
+    last went round its loop (``time.monotonic()``; at least every 100 ms);
+    with ``heartbeat_path`` it also writes ``{"time", "pid", "address",
+    "name", "closed", "stats"}`` as JSON to that file about once a second
+    (atomically), for a health check in another process.
     """
 
     def __init__(self, address: str | None = None, *, port: int = 0,
                  on_chunk: Callable[..., Any] | None = None,
                  credit_bytes: int = DEFAULT_CREDIT_BYTES,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 max_held_bytes: int = 8 << 30,
-                 stale_after_s: float = 120.0, result_ttl_s: float = 600.0,
+                 max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+                 max_peer_bytes: int = DEFAULT_MAX_PEER_BYTES,
+                 max_open_transfers: int = DEFAULT_MAX_OPEN_TRANSFERS,
+                 stale_after_s: float = DEFAULT_STALE_AFTER_S, result_ttl_s: float = DEFAULT_RESULT_TTL_S,
+                 curve: ServerKeys | None = None, allow_insecure: bool = False,
+                 heartbeat_path: str | os.PathLike | None = None,
                  ctx: zmq.Context | None = None, name: str | None = None):
         if credit_bytes <= MESSAGE_OVERHEAD:
             raise ValueError(f"credit_bytes must be > {MESSAGE_OVERHEAD}")
+        for arg, v in (("max_message_bytes", max_message_bytes), ("max_held_bytes", max_held_bytes),
+                       ("max_peer_bytes", max_peer_bytes), ("max_open_transfers", max_open_transfers),
+                       ("stale_after_s", stale_after_s), ("result_ttl_s", result_ttl_s)):
+            if not v > 0:
+                raise ValueError(f"{arg} must be > 0, got {v!r}")
+        if address is None:
+            address = f"tcp://{DEFAULT_HOST}:{port if port else '*'}"
+        if curve is None and not allow_insecure and not is_loopback(address):
+            raise ValueError(f"KVReceiver: refusing to bind {address} without CURVE keys: anyone who can reach "
+                             "it could read and inject KV data. Pass curve=ServerKeys.load(dir) (keys from "
+                             "`python -m kvtransfer.keys DIR`), or allow_insecure=True on a trusted network")
+        if curve is not None and ctx is not None:
+            raise ValueError("KVReceiver: curve= needs the receiver's own zmq.Context (ZAP authentication is "
+                             "per context); do not pass ctx= with it")
         self.credit_bytes = int(credit_bytes)
         self._credit_batch = max(1, self.credit_bytes // 4)
         self.max_message_bytes = int(max_message_bytes)
         self.max_held_bytes = int(max_held_bytes)
+        self.max_peer_bytes = int(max_peer_bytes)
+        self.max_open_transfers = int(max_open_transfers)
         self.stale_after_s = float(stale_after_s)
         self.result_ttl_s = float(result_ttl_s)
+        # ZeroMQ limits derived from the caps (see kvtransfer.transport, "Bounds")
+        self.rcvhwm = self.credit_bytes // MESSAGE_OVERHEAD + 2 * self.max_open_transfers + CONTROL_ALLOWANCE
+        self.sndhwm = 4 * self.max_open_transfers + CONTROL_ALLOWANCE
+        self.max_frame_bytes = self.max_message_bytes + wire.MAX_HEADER_BYTES
+        self._closed_keep = max(4096, 8 * self.max_open_transfers)
         self.name = name or f"kvreceiver-{uuid.uuid4().hex[:8]}"
+        self.heartbeat_path = os.fspath(heartbeat_path) if heartbeat_path is not None else None
+        self.curve = curve is not None
         self._on_chunk = on_chunk
         self._chunk_kwargs = on_chunk is not None and accepts_kwargs(on_chunk, ("offset", "layer_shape"))
-        self._ctx = ctx or zmq.Context.instance()
         self.stats = Stats(*_RECEIVER_STATS)
         self._cond = threading.Condition()
-        self._results: dict[str, tuple[float, TransferResult]] = {}
+        self._results: dict[str, _Stored] = {}           # guarded by _cond
+        self._held = 0                                    # guarded by _cond
+        self._peer_held: dict[bytes, int] = {}            # guarded by _cond
         self._open: dict[str, _RxTransfer] = {}          # receiver thread only
-        self._closed_ids: collections.OrderedDict = collections.OrderedDict()  # receiver thread only
-        self._held = 0
+        self._closed_ids: collections.OrderedDict = collections.OrderedDict()  # xfer -> (how, owner); thread only
+        self._peers: dict[bytes, _Peer] = {}             # receiver thread only
         self._cmds: collections.deque = collections.deque()
         self._closing = False
         self._closed = False
+        self._internal_errors = 0
+        self._handshake_failures = 0
+        self.heartbeat = time.monotonic()
 
-        if address is None:
-            address = f"tcp://{DEFAULT_HOST}:{port if port else '*'}"
-        sock = self._ctx.socket(zmq.ROUTER)
+        self._own_ctx = curve is not None
+        self._ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
+        self._auth = None
+        self._sock = self._monitor = self._wake_w = None
+        self._wake_lock = threading.Lock()
+        try:
+            self._setup_sockets(address, curve)
+        except BaseException:
+            self._teardown(thread_ended=True)
+            raise
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _setup_sockets(self, address: str, curve: ServerKeys | None) -> None:
+        if curve is not None:
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("kvtransfer.auth.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=_AllowList(
+                curve.allowed_clients, self.stats, self.name))
+        sock = self._sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable replies raise instead of vanishing
-        sock.setsockopt(zmq.SNDHWM, 0)             # replies are small control messages
-        sock.setsockopt(zmq.RCVHWM, 0)             # data volume is bounded by credit
-        # hard backstop against absurd frames (libzmq drops such a peer); the
-        # configurable limit is enforced per message in Python, with counting
-        sock.setsockopt(zmq.MAXMSGSIZE, max(4 * self.max_message_bytes, 1 << 30))
+        sock.setsockopt(zmq.SNDHWM, self.sndhwm)   # a peer that stops reading loses replies, not our memory
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)   # beyond it ZeroMQ/TCP push back on that peer
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)  # libzmq drops a peer sending a bigger frame
+        if curve is not None:
+            sock.curve_server = True
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
+        mon = f"inproc://{self.name}-monitor-{uuid.uuid4().hex}"
+        sock.monitor(mon, _HANDSHAKE_FAILED)
+        self._monitor = self._ctx.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(mon)
         try:
             sock.bind(address)
         except zmq.ZMQError as e:
-            sock.close(0)
             raise OSError(f"KVReceiver: cannot bind {address}: {e}") from None
         self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sock = sock
         # other threads wake the receiver thread through the same ROUTER, over an
         # in-process endpoint, so that thread can simply block in recv
         wake = f"inproc://{self.name}-{uuid.uuid4().hex}"
@@ -191,11 +330,13 @@ class KVReceiver:
         self._wake_w.setsockopt(zmq.LINGER, 0)
         self._wake_w.setsockopt(zmq.SNDHWM, 64)
         self._wake_w.connect(wake)
-        self._wake_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
 
     # ---- public API
+
+    @property
+    def alive(self) -> bool:
+        """The receiver thread is running and :meth:`close` was not called."""
+        return self._thread.is_alive() and not self._closing
 
     def wait(self, xfer_id: str, timeout: float | None = None, *, drop_on_timeout: bool = False) -> TransferResult:
         """Block until ``xfer_id`` is final: complete (``ok``), or failed (aborted,
@@ -224,16 +365,6 @@ class KVReceiver:
                 self._cond.wait(remaining)
             return self._pop_result(xfer_id)
 
-    def _pop_result(self, xfer_id: str) -> TransferResult | None:
-        # caller holds self._cond
-        item = self._results.pop(xfer_id, None)
-        if item is None:
-            return None
-        res = item[1]
-        if res.layers:
-            self._held -= res.nbytes
-        return res
-
     def ready(self, xfer_id: str) -> bool:
         """True when :meth:`wait` would return at once."""
         with self._cond:
@@ -259,11 +390,15 @@ class KVReceiver:
             self._closing = True
         self._wake()
         self._thread.join(timeout=5)
-        with self._wake_lock:
-            self._wake_w.close(0)
+        ended = not self._thread.is_alive()
+        if not ended:
+            log.error("kvtransfer receiver %s: thread did not stop within 5 s (stuck in on_chunk?); "
+                      "leaving its sockets open", self.name)
+        self._teardown(thread_ended=ended)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._write_heartbeat(closed=True)
 
     def __enter__(self):
         return self
@@ -271,11 +406,44 @@ class KVReceiver:
     def __exit__(self, *exc):
         self.close()
 
+    def _teardown(self, thread_ended: bool) -> None:
+        if self._wake_w is not None:
+            with self._wake_lock:
+                self._wake_w.close(0)
+        if not thread_ended:
+            return
+        for s in (self._sock, self._monitor):
+            if s is not None and not s.closed:
+                s.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _pop_result(self, xfer_id: str) -> TransferResult | None:
+        # caller holds self._cond
+        item = self._results.pop(xfer_id, None)
+        if item is None:
+            return None
+        if item.held:
+            self._release(item.peer, item.held)
+        return item.result
+
+    def _release(self, peer: bytes | None, n: int) -> None:
+        # caller holds self._cond: n payload bytes of peer's are no longer held
+        self._held -= n
+        left = self._peer_held.get(peer, 0) - n
+        if left > 0:
+            self._peer_held[peer] = left
+        else:
+            self._peer_held.pop(peer, None)
+
     # ---- receiver thread
 
     def _wake(self) -> None:
         with self._wake_lock:
-            if self._wake_w.closed:
+            if self._wake_w is None or self._wake_w.closed:
                 return
             try:
                 self._wake_w.send(b"", zmq.NOBLOCK)
@@ -285,106 +453,201 @@ class KVReceiver:
     def _run(self) -> None:
         sock = self._sock
         sock.setsockopt(zmq.RCVTIMEO, _POLL_MS)
-        next_gc = time.monotonic() + 1.0
-        credit: dict[bytes, int] = {}
-        batch = self._credit_batch
+        next_tick = 0.0  # at once: the first heartbeat file
         try:
             while not self._closing:
+                now = self.heartbeat = time.monotonic()
+                if now >= next_tick:
+                    self._guarded(self._tick, now)
+                    next_tick = now + HEARTBEAT_INTERVAL_S
                 try:
-                    frames = sock.recv_multipart(copy=False)
+                    msg = self._recv(sock)
                 except zmq.Again:  # idle
-                    frames = None
+                    msg = None
                 if self._cmds:  # before the next message: e.g. an abandon precedes a late 'done'
-                    self._run_commands()
-                if frames is not None:
-                    peer = frames[0].bytes
-                    if peer != self._wake_id:
-                        n = self._handle(peer, frames[1:])
-                        if n:
-                            # return consumed credit in batches of >= a quarter window (the
-                            # sender's chunks are at most half a window, so holding back
-                            # less than a quarter can never starve it)
-                            n += credit.get(peer, 0)
-                            if n >= batch:
-                                credit.pop(peer, None)
-                                self._send(peer, wire.encode("credit", bytes=n, init=False,
-                                                             max_message=self.max_message_bytes))
-                                self.stats.add("credit_messages")
-                            else:
-                                credit[peer] = n
-                now = time.monotonic()
-                if now >= next_gc:
-                    self._gc(now)
-                    next_gc = now + 1.0
-        except Exception:  # pragma: no cover
-            log.exception("kvtransfer receiver thread crashed")
+                    self._guarded(self._run_commands)
+                if msg is not None and msg[0] != self._wake_id:
+                    self._guarded(self._on_message, *msg)
+        except Exception:
+            log.exception("kvtransfer receiver %s: thread ended by a socket error", self.name)
         finally:
             sock.close(0)
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
 
+    def _guarded(self, fn: Callable, *args) -> None:
+        """Run one unit of the thread's work; an unexpected exception is counted,
+        logged (rate-limited) and dropped, never the end of the thread."""
+        try:
+            fn(*args)
+        except Exception:
+            self._internal_errors += 1
+            self.stats.add("internal_errors")
+            if worth_logging(self._internal_errors):
+                log.exception("kvtransfer receiver %s: internal error in %s (message dropped; %d so far)",
+                              self.name, getattr(fn, "__name__", fn), self._internal_errors)
+
+    @staticmethod
+    def _recv(sock: zmq.Socket) -> tuple[bytes, list, int]:
+        """One message: (routing id, up to 3 body frames, bytes of any further
+        frames, which are dropped as they are read). Raises zmq.Again when idle."""
+        first = sock.recv(copy=False)
+        body: list = []
+        extra = 0
+        more = first.more
+        while more:
+            f = sock.recv(copy=False)
+            more = f.more
+            if len(body) < 3:  # header + payload, and one more to tell "too many"
+                body.append(f)
+            else:
+                extra += len(f)
+        return first.bytes, body, extra
+
     def _run_commands(self) -> None:
         with self._cond:
             cmds, self._cmds = self._cmds, collections.deque()
         for op, x in cmds:
             if op == "abandon":
-                self._abandon(x)
+                self._guarded(self._abandon, x)
 
     def _send(self, peer: bytes, header: bytes) -> None:
         try:
             self._sock.send_multipart([peer, header], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone) or EAGAIN
+        except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone) or EAGAIN (its pipe is full: it stopped reading)
             self.stats.add("send_failures")
             log.debug("kvtransfer receiver: reply to %r dropped: %s", peer, e)
 
-    def _handle(self, peer: bytes, body: list) -> int:
-        """Process one message; returns the credit it consumed (payload-carrying
-        messages are charged whatever becomes of them)."""
+    def _nack(self, peer: bytes, xfer: str, reason: str) -> None:
+        """Tell ``peer`` (only ever the sender of the message at hand) that ``xfer`` failed."""
+        try:
+            header = wire.encode("nack", xfer=xfer, reason=reason[:wire.MAX_REASON_LEN])
+        except WireError:  # not a valid id: nothing the peer could match it to
+            return
+        self._send(peer, header)
+        self.stats.add("nacks_sent")
+
+    def _on_message(self, peer: bytes, body: list, extra_bytes: int) -> None:
+        rec = self._peers.get(peer)
+        if rec is None:
+            rec = self._peers[peer] = _Peer(self.heartbeat)
+        rec.last_seen = self.heartbeat
+        # payload-carrying messages are charged whatever becomes of them
+        cost = sum(map(len, body[1:])) + extra_bytes + MESSAGE_OVERHEAD if len(body) > 1 else 0
+        try:
+            self._handle(peer, body)
+        finally:
+            if cost:
+                self._charge(peer, rec, cost)
+
+    def _charge(self, peer: bytes, rec: _Peer, n: int) -> None:
+        # return consumed credit in batches of >= a quarter window (the sender's
+        # chunks are at most half a window, so holding back less than a quarter
+        # can never starve it)
+        n += rec.credit
+        if n >= self._credit_batch:
+            rec.credit = 0
+            self._send(peer, wire.encode("credit", bytes=n, init=False, max_message=self.max_message_bytes))
+            self.stats.add("credit_messages")
+        else:
+            rec.credit = n
+
+    def _handle(self, peer: bytes, body: list) -> None:
         self.stats.c["messages_received"] += 1
-        cost = sum(map(len, body[1:])) + MESSAGE_OVERHEAD if len(body) > 1 else 0
         try:
             msg = wire.decode(body, SENDER_KINDS, self.max_message_bytes)
         except WireError as e:
             self._reject(peer, e.reason, str(e), e.xfer, fail=True)
-            return cost
-        h = msg.header
+            return
         kind = msg.kind
         if kind == "kv":
-            self._on_kv(peer, h, msg.payload[0])
+            self._on_kv(peer, msg.header, msg.payload[0])
         elif kind == "done":
-            self._on_done(peer, h)
+            self._on_done(peer, msg.header)
         elif kind == "abort":
-            self._on_abort(peer, h)
+            self._on_abort(peer, msg.header)
         else:  # hello
             self._send(peer, wire.encode("credit", bytes=self.credit_bytes, init=True,
                                          max_message=self.max_message_bytes))
-        return cost
 
-    def _reject(self, peer: bytes, reason: str, detail: str, xfer: str | None, fail: bool) -> None:
+    def _reject(self, peer: bytes, reason: str, detail: str, xfer: str | None, fail: bool = False) -> None:
+        """Count and log a rejected message; ``nack`` its sender about ``xfer``; with
+        ``fail``, also fail ``xfer`` -- only if ``peer`` owns it (or it is new and
+        there is room to record the failure)."""
         log_reject("receiver", self.stats.reject(reason), detail, repr(peer))
         if xfer is None:
             return
-        t = self._open.get(xfer)
-        if fail and (t is None or t.peer == peer) and xfer not in self._closed_ids:
-            self._finish(xfer, t, False, f"chunk rejected ({detail})", "failed")
-        if t is None or t.peer == peer:
-            self._send(peer, wire.encode("nack", xfer=xfer, reason=f"rejected: {detail}"[:1000]))
-            self.stats.add("nacks_sent")
+        if fail:
+            self._fail(peer, xfer, f"chunk rejected ({detail})")
+        self._nack(peer, xfer, f"rejected: {detail}")
+
+    def _fail(self, peer: bytes, x: str, error: str) -> None:
+        t = self._open.get(x)
+        if t is not None:
+            if t.peer == peer:
+                self._finish(x, t, False, error, "failed")
+            return
+        if self._closed_state(x) is not None:
+            return
+        if self._room():
+            self._finish(x, None, False, error, "failed", owner=peer)  # wait() fails fast
+        else:
+            self._close_id(x, "failed", peer)
+
+    def _room(self) -> bool:
+        return len(self._open) + len(self._results) < self.max_open_transfers
+
+    def _closed_state(self, x: str) -> tuple[str, bytes | None] | None:
+        """(how, owner) of a closed transfer id, or None."""
+        state = self._closed_ids.get(x)
+        if state is None:
+            stored = self._results.get(x)  # (its id may have aged out of _closed_ids)
+            if stored is not None:
+                state = ("completed" if stored.result.ok else "failed", stored.peer)
+        return state
+
+    def _close_id(self, x: str, how: str, owner: bytes | None) -> None:
+        ids = self._closed_ids
+        ids[x] = (how, owner)
+        ids.move_to_end(x)
+        while len(ids) > self._closed_keep:
+            ids.popitem(last=False)
+
+    def _start(self, peer: bytes, x: str, now: float, what: str) -> _RxTransfer | None:
+        """A new transfer ``x`` owned by ``peer`` (not yet in ``_open``), or None after
+        rejecting the message (id closed, owned by another peer, or no room)."""
+        closed = self._closed_state(x)
+        if closed is not None:
+            how, owner = closed
+            if owner is not None and owner != peer:
+                self._reject(peer, "peer_mismatch", f"{what} for transfer {x!r}, which belongs to another sender", x)
+            elif what == "done" and how != "completed":
+                # the sender had not yet heard that its transfer failed: the usual race
+                self.stats.add("late_done")
+                self._nack(peer, x, f"transfer already {how}")
+            else:
+                reason = "aborted_xfer" if how in ("aborted", "abandoned") else "closed_xfer"
+                self._reject(peer, reason, f"{what} for transfer {x!r} which is already {how}", x)
+            return None
+        if not self._room():
+            self._reject(peer, "too_many_transfers",
+                         f"{len(self._open)} open + {len(self._results)} uncollected transfers, limit "
+                         f"{self.max_open_transfers}", x)
+            return None
+        return _RxTransfer(x, peer, now)
 
     def _on_kv(self, peer: bytes, h: dict, buf: memoryview) -> None:
         x = h["xfer"]
-        closed = self._closed_ids.get(x)
-        if closed is not None:
-            reason = "aborted_xfer" if closed in ("aborted", "abandoned") else "closed_xfer"
-            self._reject(peer, reason, f"chunk for transfer {x!r} which is already {closed}", x, fail=False)
-            return
-        now = time.monotonic()
+        now = self.heartbeat
         t = self._open.get(x)
         if t is None:
-            t = self._open[x] = _RxTransfer(x, peer, now)
+            t = self._start(peer, x, now, "chunk")
+            if t is None:
+                return
+            self._open[x] = t
         elif t.peer != peer:
-            self._reject(peer, "peer_mismatch", f"transfer {x!r} belongs to another sender", None, fail=False)
+            self._reject(peer, "peer_mismatch", f"chunk for transfer {x!r}, which belongs to another sender", x)
             return
         layer, seq = h["layer"], h["seq"]
         lshape = tuple(h["lshape"])
@@ -411,19 +674,23 @@ class KVReceiver:
             except Exception as e:
                 log.exception("kvtransfer receiver: on_chunk failed for %r layer %d seq %d", x, layer, seq)
                 self._finish(x, t, False, f"on_chunk raised {type(e).__name__}: {e}", "failed")
-                self._send(peer, wire.encode("nack", xfer=x, reason=f"destination write failed: {e}"[:1000]))
-                self.stats.add("nacks_sent")
+                self._nack(peer, x, f"destination write failed: {e}")
                 return
             L.chunks.append(ChunkData(seq, h["offset"], shape, h["blocks"], memoryview(b"")))
         else:
             with self._cond:
-                full = self._held + nbytes > self.max_held_bytes
-                if not full:
+                if self._held + nbytes > self.max_held_bytes:
+                    full = ("receiver_full", f"holding {self._held} bytes, limit {self.max_held_bytes}")
+                elif self._peer_held.get(peer, 0) + nbytes > self.max_peer_bytes:
+                    full = ("peer_full", f"holding {self._peer_held.get(peer, 0)} bytes from this sender, "
+                                         f"limit {self.max_peer_bytes}")
+                else:
+                    full = None
                     self._held += nbytes
+                    self._peer_held[peer] = self._peer_held.get(peer, 0) + nbytes
                     self.stats.max("held_bytes_max", self._held)
             if full:
-                self._reject(peer, "receiver_full", f"holding {self._held} bytes, limit {self.max_held_bytes}",
-                             x, fail=True)
+                self._reject(peer, full[0], full[1], x, fail=True)
                 return
             L.chunks.append(ChunkData(seq, h["offset"], shape, h["blocks"], buf))
         L.nbytes += nbytes
@@ -436,21 +703,15 @@ class KVReceiver:
 
     def _on_done(self, peer: bytes, h: dict) -> None:
         x = h["xfer"]
-        closed = self._closed_ids.get(x)
-        if closed is not None:
-            if closed == "completed":  # a second 'done': not something our sender does
-                self._reject(peer, "closed_xfer", f"'done' for transfer {x!r} which is already complete", x,
-                             fail=False)
-            else:  # the sender had not yet heard that its transfer failed: the usual race
-                self.stats.add("late_done")
-                self._send(peer, wire.encode("nack", xfer=x, reason=f"transfer already {closed}"))
-                self.stats.add("nacks_sent")
-            return
         t = self._open.get(x)
         if t is None:
-            t = _RxTransfer(x, peer, time.monotonic())
+            # nothing received for it: a transfer with no layers (everything was
+            # cached), or every chunk was lost -- it counts against the cap too
+            t = self._start(peer, x, self.heartbeat, "done")
+            if t is None:
+                return
         elif t.peer != peer:
-            self._reject(peer, "peer_mismatch", f"transfer {x!r} belongs to another sender", None, fail=False)
+            self._reject(peer, "peer_mismatch", f"'done' for transfer {x!r}, which belongs to another sender", x)
             return
         problem = None
         if (t.chunks, len(t.layers), t.nbytes) != (h["chunks"], h["layers"], h["nbytes"]):
@@ -471,62 +732,87 @@ class KVReceiver:
                 if problem:
                     break
         if problem is None:
-            self._finish(x, t, True, None, "completed")
+            self._finish(x, t, True, None, "completed", digest=h["digest"])
             self._send(peer, wire.encode("ack", xfer=x, chunks=t.chunks, nbytes=t.nbytes))
             self.stats.add("acks_sent")
         else:
             log.warning("kvtransfer receiver: transfer %r failed: %s", x, problem)
-            self._finish(x, t, False, problem, "failed")
-            self._send(peer, wire.encode("nack", xfer=x, reason=problem))
-            self.stats.add("nacks_sent")
+            self._finish(x, t, False, problem, "failed", digest=h["digest"])
+            self._nack(peer, x, problem)
 
     def _on_abort(self, peer: bytes, h: dict) -> None:
         x = h["xfer"]
+        error = f"aborted by sender: {h['reason']}"
         t = self._open.get(x)
-        if t is not None and t.peer != peer:
-            self._reject(peer, "peer_mismatch", f"abort for transfer {x!r} from another sender", None, fail=False)
+        if t is not None:
+            if t.peer != peer:
+                self._reject(peer, "peer_mismatch", f"abort for transfer {x!r}, which belongs to another sender", x)
+            else:
+                self._finish(x, t, False, error, "aborted")
             return
-        if self._closed_ids.get(x) in ("aborted", "abandoned"):
+        closed = self._closed_state(x)
+        if closed is None:  # nothing arrived for it (yet): remember, so late chunks are refused
+            if self._room():
+                self._finish(x, None, False, error, "aborted", owner=peer)
+            else:
+                self._close_id(x, "aborted", peer)
             return
-        with self._cond:  # an uncollected complete result is withdrawn too: the sender's word wins
-            self._pop_result(x)
-        self._closed_ids.pop(x, None)
-        self._finish(x, t, False, f"aborted by sender: {h['reason']}", "aborted")
+        how, owner = closed
+        if owner is not None and owner != peer:
+            self._reject(peer, "peer_mismatch", f"abort for transfer {x!r}, which belongs to another sender", x)
+            return
+        if how in ("aborted", "abandoned"):
+            return
+        # an uncollected result (complete or not) is withdrawn: the sender's word wins
+        with self._cond:
+            had = self._pop_result(x) is not None
+        self._finish(x, None, False, error, "aborted", owner=peer, store=had)
 
     def _abandon(self, x: str) -> None:
         t = self._open.get(x)
-        if self._closed_ids.get(x) is None or t is not None:
+        if t is not None or self._closed_state(x) is None:
             self._finish(x, t, False, "abandoned by the receiver", "abandoned", store=False)
             if t is not None:
-                self._send(t.peer, wire.encode("nack", xfer=x, reason="receiver gave up waiting"))
-                self.stats.add("nacks_sent")
+                self._nack(t.peer, x, "receiver gave up waiting")
         with self._cond:
             self._pop_result(x)
 
     def _finish(self, x: str, t: _RxTransfer | None, ok: bool, error: str | None, how: str,
-                store: bool = True) -> None:
+                store: bool = True, digest: str = "", owner: bytes | None = None) -> None:
         """Close transfer ``x``: publish its result, drop partial data on failure."""
         self._open.pop(x, None)
-        self._closed_ids[x] = how
-        self._closed_ids.move_to_end(x)
-        while len(self._closed_ids) > 65536:
-            self._closed_ids.popitem(last=False)
+        owner = t.peer if t is not None else owner
+        self._close_id(x, how, owner)
         now = time.monotonic()
-        chunks = t.chunks if t else 0
-        nbytes = t.nbytes if t else 0
-        keep = ok and t is not None and self._on_chunk is None
-        if t is not None and self._on_chunk is None and not ok:
+        keep = ok and store and t is not None and self._on_chunk is None
+        if t is not None and self._on_chunk is None and not keep and t.nbytes:
             with self._cond:
-                self._held -= t.nbytes  # partial data dropped
+                self._release(t.peer, t.nbytes)  # partial data dropped
         # a kept result stays counted in _held until collected (see _pop_result)
-        res = TransferResult(x, ok, error, chunks, nbytes, t.layers if keep else {}, (now - t.t0) if t else 0.0)
+        res = TransferResult(x, ok, error, t.chunks if t else 0, t.nbytes if t else 0,
+                             t.layers if keep else {}, (now - t.t0) if t else 0.0, digest)
         self.stats.add({"completed": "transfers_completed", "failed": "transfers_failed",
                         "aborted": "transfers_aborted", "abandoned": "transfers_abandoned",
                         "stale": "transfers_stale"}[how])
         if store:
             with self._cond:
-                self._results[x] = (now, res)
+                self._pop_result(x)  # never overwrite a stored result without releasing its bytes
+                self._results[x] = _Stored(now, res, owner, t.nbytes if keep else 0)
                 self._cond.notify_all()
+
+    def _tick(self, now: float) -> None:
+        """About once a second: expire what is stale, refresh gauges, count failed
+        handshakes, write the heartbeat file."""
+        self._guarded(self._gc, now)
+        self._guarded(self._drain_monitor)
+        with self._cond:
+            held, stored = self._held, len(self._results)
+        st = self.stats
+        st.set("held_bytes", held)
+        st.set("stored_results", stored)
+        st.set("open_transfers", len(self._open))
+        st.set("peers", len(self._peers))
+        self._write_heartbeat()
 
     def _gc(self, now: float) -> None:
         for x, t in list(self._open.items()):
@@ -535,7 +821,48 @@ class KVReceiver:
                             x, now - t.last)
                 self._finish(x, t, False, f"stale: no data for {now - t.last:.0f} s", "stale")
         with self._cond:
-            for x, (t0, _) in list(self._results.items()):
-                if now - t0 > self.result_ttl_s:
+            for x, stored in list(self._results.items()):
+                if now - stored.at > self.result_ttl_s:
                     self._pop_result(x)
                     self.stats.add("results_expired")
+            holding = set(self._peer_held)
+        # forget idle connections (returning any credit held back for them first)
+        owners = {t.peer for t in self._open.values()}
+        for peer, rec in list(self._peers.items()):
+            if now - rec.last_seen > self.stale_after_s and peer not in owners and peer not in holding:
+                if rec.credit:
+                    self._send(peer, wire.encode("credit", bytes=rec.credit, init=False,
+                                                 max_message=self.max_message_bytes))
+                del self._peers[peer]
+
+    def _drain_monitor(self, limit: int = 10000) -> None:
+        for _ in range(limit):
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            if event["event"] & _HANDSHAKE_FAILED:
+                self._handshake_failures += 1
+                self.stats.add("handshake_failures")
+                if worth_logging(self._handshake_failures):
+                    log.warning("kvtransfer receiver %s: a connection failed its %s handshake (%s; %d so far): "
+                                "a sender without/with wrong CURVE keys?", self.name,
+                                "CURVE" if self.curve else "ZMTP", zmq.Event(event["event"]).name,
+                                self._handshake_failures)
+
+    def _write_heartbeat(self, closed: bool = False) -> None:
+        path = self.heartbeat_path
+        if path is None:
+            return
+        data = {"time": time.time(), "pid": os.getpid(), "address": self.address, "name": self.name,
+                "closed": closed, "stats": self.stats.snapshot()}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            self.stats.add("heartbeat_write_errors")
+            if worth_logging(int(self.stats.c["heartbeat_write_errors"])):
+                log.warning("kvtransfer receiver %s: cannot write heartbeat file %s: %s", self.name, path, e)

@@ -2,7 +2,7 @@
 for the socket and flow-control design)."""
 from __future__ import annotations
 
-import itertools
+import collections
 import os
 import select
 import threading
@@ -13,9 +13,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
-from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD, Stats, TransferError,
+from .auth import ClientKeys, is_loopback
+from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD,
+                     MIN_CREDIT_BYTES, MIN_MAX_MESSAGE_BYTES, DestinationUnavailable, Stats, TransferError,
                      TransferTimeout, is_torch_tensor, log, log_reject, normalize_dtype)
 from .wire import DTYPES, RECEIVER_KINDS, WireError
 
@@ -214,25 +217,46 @@ class SendResult:
     elapsed_s: float
 
 
+
+#: Failed transfers remembered (so later calls for them fail at once) until the
+#: caller finishes or aborts them; beyond this many the oldest are forgotten.
+MAX_FAILED_KEPT = 4096
+#: A DEALER's receive queue limit, in messages: only small control messages come
+#: back (credit, ack, nack), far fewer than this from a well-behaved receiver.
+SENDER_RCVHWM = 1 << 17
+_MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
 class _Channel:
-    """One DEALER connection to one receiver address, with its credit state."""
-    _ids = itertools.count()
+    """The connection to one receiver address (one DEALER at a time, with its
+    credit state) and that destination's circuit breaker."""
 
     def __init__(self, address: str):
         self.address = address
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None   # connection events of sock (PAIR)
         self.fd = -1
-        self.generation = 0
-        self.ready = False
+        self.mon_fd = -1
+        self.generation = 0          # bumped whenever the DEALER is dropped
+        self.ready = False           # the initial credit grant arrived
+        self.connect_deadline = 0.0  # ... must arrive by then (monotonic)
         self.window = 0
         self.max_message = 0
         self.credit = 0
         self.inflight = 0
         self.last_rx = 0.0
+        # circuit breaker
+        self.state = CLOSED
+        self.failures = 0            # consecutive
+        self.last_error: str | None = None
+        self.open_until = 0.0        # monotonic
 
 
 class _TxTransfer:
-    def __init__(self, xfer_id: str, ch: _Channel):
+    def __init__(self, xfer_id: str, ch: _Channel, deadline: float):
         self.xfer_id = xfer_id
         self.channel = ch
         self.generation = ch.generation
@@ -241,8 +265,11 @@ class _TxTransfer:
         self.nbytes = 0
         self.state = "open"  # open -> done_sent -> acked | failed
         self.error: str | None = None
+        self.error_cls: type[TransferError] = TransferError
         self.t0 = time.monotonic()
-        self.deadline: float | None = None  # set by finish_async
+        self.deadline = deadline                 # the transfer's one deadline (begin/first send_layer + timeout)
+        self.ack_deadline: float | None = None   # set by finish_async (<= deadline)
+        self.done_at = 0.0
 
 
 class KVSender:
@@ -254,6 +281,33 @@ class KVSender:
     be modified until :meth:`finish` returns (the ack means every byte is on the
     receiver), or the transfer is aborted.
 
+    Deadlines: a transfer gets one deadline when it starts (:meth:`begin` or its
+    first :meth:`send_layer`): ``now + timeout``. No later call for it waits
+    beyond that (a per-call ``timeout`` can only shorten a wait). Once a
+    transfer has failed (timeout, ``nack``, connection reset, destination
+    unavailable), every later call for that id raises the same error at once,
+    until :meth:`finish`/:meth:`finish_async` (which raise it) or :meth:`abort`
+    (the last :data:`MAX_FAILED_KEPT` failed ids are remembered).
+
+    Connections and the circuit breaker, per destination address: a new
+    connection must get its credit grant (the answer to ``hello``) within
+    ``connect_timeout`` s. A connect timeout, a transfer timeout with nothing
+    heard from the receiver for at least ``connect_timeout`` s, a connection
+    reset (the receiver went away) or a failed CURVE handshake drops the
+    connection, fails every transfer on it, and opens the breaker for
+    ``breaker_cooldown_s`` (doubling per consecutive failure, at most
+    ``breaker_max_cooldown_s``): starting a transfer then raises
+    :class:`DestinationUnavailable` at once. After the cooldown one transfer is
+    let through on a fresh connection (half-open); its credit grant closes the
+    breaker, a failure reopens it. :meth:`destinations` and
+    :meth:`destination_ok` report the state.
+
+    Security: with ``curve=ClientKeys.load(dir)`` every connection is CURVE
+    encrypted and authenticated (the receiver must hold the matching server
+    key and admit this client key). Without keys a destination that is not on
+    this host (:func:`kvtransfer.auth.is_loopback`) is refused with
+    :class:`TransferError`, unless ``allow_insecure_remote=True``.
+
     No background thread: the sockets are driven by the calling thread(s) under
     one lock (ZeroMQ sockets are not thread-safe), so a chunk reaches ZeroMQ's
     own I/O thread the moment it is sent. Incoming credit and acks are read
@@ -262,13 +316,24 @@ class KVSender:
     """
 
     def __init__(self, address: str | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: float = DEFAULT_TIMEOUT_S, staging_slots: int = 2,
+                 timeout: float = DEFAULT_TIMEOUT_S, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 breaker_cooldown_s: float = 2.0, breaker_max_cooldown_s: float = 30.0,
+                 staging_slots: int = 2, curve: ClientKeys | None = None, allow_insecure_remote: bool = False,
                  ctx: zmq.Context | None = None, name: str | None = None):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
+        for arg, v in (("timeout", timeout), ("connect_timeout", connect_timeout),
+                       ("breaker_cooldown_s", breaker_cooldown_s), ("breaker_max_cooldown_s", breaker_max_cooldown_s)):
+            if not v > 0:
+                raise ValueError(f"{arg} must be > 0, got {v!r}")
         self.address = address
         self.chunk_bytes = int(chunk_bytes)
         self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.breaker_cooldown_s = float(breaker_cooldown_s)
+        self.breaker_max_cooldown_s = max(float(breaker_max_cooldown_s), self.breaker_cooldown_s)
+        self.curve = curve
+        self.allow_insecure_remote = bool(allow_insecure_remote)
         self.name = name or f"kvsender-{uuid.uuid4().hex[:8]}"
         self._ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -280,24 +345,31 @@ class KVSender:
         os.set_blocking(self._pipe_w, False)
         self._channels: dict[str, _Channel] = {}
         self._tx: dict[str, _TxTransfer] = {}
+        self._failed: collections.OrderedDict[str, _TxTransfer] = collections.OrderedDict()
         self._stager = _Stager(staging_slots)
         self._closed = False
         self.stats = Stats("bytes_sent", "chunks_sent", "layers_sent", "transfers_started", "transfers_acked",
-                           "transfers_failed", "transfers_aborted", "timeouts", "credit_waits", "credit_wait_s",
-                           "max_inflight_bytes", "contiguous_copies", "channel_resets")
+                           "transfers_failed", "transfers_aborted", "transfers_refused", "timeouts",
+                           "credit_waits", "credit_wait_s", "max_inflight_bytes", "contiguous_copies",
+                           "channel_resets", "connect_timeouts", "connection_resets", "handshake_failures",
+                           "breaker_opens")
 
     # ------------------------------------------------------------------ public
 
     def connect(self, dest: str | None = None) -> None:
         """Open the connection to ``dest`` (default: the sender's address) ahead of
-        the first transfer (optional; it saves the credit handshake later)."""
+        the first transfer (optional; it saves the credit handshake later).
+        Raises :class:`DestinationUnavailable` while its breaker is open."""
         with self._lock:
-            self._channel(dest or self.address)
+            self._admit(self._channel(dest or self.address), time.monotonic())
 
     def begin(self, xfer_id: str, dest: str | None = None) -> None:
-        """Open a transfer explicitly (optional: the first ``send_layer`` does it). A
-        transfer with no layers (e.g. everything was a prefix-cache hit) still
-        needs :meth:`finish`."""
+        """Open a transfer explicitly (optional: the first ``send_layer`` does it);
+        its deadline starts now. A transfer with no layers (e.g. everything was
+        a prefix-cache hit) still needs :meth:`finish`. Raises
+        :class:`DestinationUnavailable` at once while the destination's breaker
+        is open (later calls for this id then raise it too)."""
+        _check_xfer_id(xfer_id)
         with self._lock:
             self._open_transfer(xfer_id, dest)
 
@@ -311,12 +383,13 @@ class KVSender:
         or torch tensor on any device (CPU: zero-copy; others: staged through
         pinned host buffers). ``blocks``: the layer's block ids in the sender's
         numbering (see :mod:`kvtransfer.wire`). Blocks while out of flow-control
-        credit, ``timeout`` s at most for the whole call (default: the sender's);
-        then raises :class:`TransferTimeout` and the transfer is failed and
-        aborted. Raises :class:`TransferError` if the receiver already rejected
-        the transfer."""
-        if not isinstance(xfer_id, str) or not 0 < len(xfer_id) <= wire.MAX_XFER_LEN:
-            raise ValueError(f"xfer_id must be a non-empty str of at most {wire.MAX_XFER_LEN} chars")
+        credit or while the connection is being set up, at most until the
+        transfer's deadline (``timeout`` shortens the wait of this call); then
+        raises :class:`TransferTimeout` and the transfer is failed and aborted.
+        Raises the transfer's error at once if it already failed (e.g. the
+        receiver rejected it), and :class:`DestinationUnavailable` for a new
+        transfer while the destination's breaker is open."""
+        _check_xfer_id(xfer_id)
         if type(layer) is not int or layer < 0:
             raise ValueError(f"layer must be an int >= 0, got {layer!r}")
         blocks = list(blocks)
@@ -324,17 +397,18 @@ class KVSender:
             blocks = [int(b) for b in blocks]  # numpy / torch integers
             if min(blocks) < 0:
                 raise ValueError("block ids must be >= 0")
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        call_start = time.monotonic()
         with self._lock:
             src, dtype_name, lshape = make_source(data, dtype, shape, self._stager, self.stats)
             isz = DTYPES[dtype_name]
             tx = self._open_transfer(xfer_id, dest)
             if layer in tx.layers:
                 raise ValueError(f"transfer {xfer_id!r}: layer {layer} was already sent")
+            deadline = tx.deadline if timeout is None else min(tx.deadline, call_start + timeout)
             ch = tx.channel
             try:
                 if not ch.ready:
-                    self._wait(ch, lambda: ch.ready or tx.state == "failed", deadline, tx,
+                    self._wait(ch, lambda: ch.ready, deadline, tx,
                                f"no credit grant from the receiver at {ch.address} (not running?)")
                 self._check_usable(tx)
                 header_room = 1024 + 10 * len(blocks) + 20 * len(lshape)
@@ -354,8 +428,7 @@ class KVSender:
                     if ch.credit < cost:
                         self.stats.add("credit_waits")
                         t0 = time.monotonic()
-                        self._wait(ch, lambda: ch.credit >= cost or tx.state == "failed"
-                                   or tx.generation != ch.generation, deadline, tx,
+                        self._wait(ch, lambda: ch.credit >= cost, deadline, tx,
                                    f"out of flow-control credit for {ch.address} ({ch.inflight} bytes in "
                                    f"flight, window {ch.window}): receiver stalled or gone")
                         self.stats.add("credit_wait_s", time.monotonic() - t0)
@@ -363,7 +436,7 @@ class KVSender:
                     payload = src.chunk(spec, deadline)
                     header = wire.encode_kv(xfer_id, layer, spec.seq, spec.blocks, dtype_name, spec.shape,
                                             spec.nbytes, spec.offset, lshape_l)
-                    if ch.sock is not sock:  # reset by another thread meanwhile
+                    if ch.sock is not sock:  # dropped meanwhile (by another thread, or while pumping)
                         self._fail(tx, f"connection to {ch.address} was reset")
                         self._check_usable(tx)
                     sock.send(header, zmq.SNDMORE)
@@ -378,41 +451,51 @@ class KVSender:
                         c["max_inflight_bytes"] = ch.inflight
                 if self._waiters:
                     self._pump(ch)  # sending may have eaten the fd signal a sleeper waits for
-            except TransferTimeout as e:
-                if tx.state != "failed":
-                    self._on_timeout(tx, str(e), time.monotonic())
+            except TransferError as e:
+                if tx.state != "failed":  # e.g. the staging buffer wait timed out
+                    if isinstance(e, TransferTimeout):
+                        self._on_timeout(tx, str(e), call_start)
+                    else:
+                        self._fail(tx, str(e))
+                        self._send_abort(tx, "sender failed mid-layer")
                 raise
             except BaseException as e:  # a layer half sent: the transfer cannot complete
                 if tx.state != "failed":
                     self._fail(tx, f"send_layer failed: {type(e).__name__}: {e}")
                     self._send_abort(tx, "sender failed mid-layer")
-                self._tx.pop(xfer_id, None)
                 raise
             c["layers_sent"] += 1
             return len(specs)
 
-    def finish_async(self, xfer_id: str, timeout: float | None = None) -> None:
-        """Send ``done`` without waiting for the ack; collect the outcome with
-        :meth:`poll_finished` (no ack within ``timeout`` s: reported as a
-        :class:`TransferTimeout`, and the transfer aborted)."""
+    def finish_async(self, xfer_id: str, timeout: float | None = None, *, digest: str = "") -> None:
+        """Send ``done`` (with ``digest``, opaque to the transport: at most 128
+        lower-case hex digits, handed to the receiver's ``TransferResult.digest``)
+        without waiting for the ack; collect the outcome with
+        :meth:`poll_finished` (no ack by the transfer's deadline, or within
+        ``timeout`` s if that is sooner: reported as a :class:`TransferTimeout`,
+        and the transfer aborted). Raises the transfer's error at once if it
+        already failed (and forgets it)."""
+        _check_digest(digest)
         with self._lock:
-            self._finish_async(xfer_id, timeout)
+            self._finish_async(xfer_id, timeout, digest)
 
-    def finish(self, xfer_id: str, timeout: float | None = None) -> SendResult:
-        """Close the transfer (``done`` announcing what was sent) and wait for the
-        receiver's ``ack`` confirming full receipt -- only then may the caller
-        free the KV blocks. Raises :class:`TransferTimeout` when no ack arrives
-        within ``timeout`` s (the transfer is then aborted) and
-        :class:`TransferError` when the receiver reports a failure (truncated,
-        rejected, gave up)."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+    def finish(self, xfer_id: str, timeout: float | None = None, *, digest: str = "") -> SendResult:
+        """Close the transfer (``done`` announcing what was sent, and ``digest``) and
+        wait for the receiver's ``ack`` confirming full receipt -- only then may
+        the caller free the KV blocks. Raises :class:`TransferTimeout` when no
+        ack arrives by the transfer's deadline (or within ``timeout`` s, if
+        sooner; the transfer is then aborted) and :class:`TransferError` when
+        the receiver reports a failure (truncated, rejected, gave up)."""
+        _check_digest(digest)
         with self._lock:
-            tx = self._finish_async(xfer_id, timeout)
-            self._wait(tx.channel, lambda: tx.state in ("acked", "failed"), deadline, tx,
-                       f"no ack from the receiver at {tx.channel.address} within {timeout:.3g} s")
-            self._tx.pop(xfer_id, None)
-            self._check_usable(tx, final=True)
+            tx = self._finish_async(xfer_id, timeout, digest)
+            deadline = tx.ack_deadline if timeout is None else min(tx.ack_deadline, time.monotonic() + timeout)
+            try:
+                self._wait(tx.channel, lambda: tx.state in ("acked", "failed"), deadline, tx,
+                           f"no ack from the receiver at {tx.channel.address} in time")
+                self._check_usable(tx)
+            finally:
+                self._forget(tx)
             return SendResult(xfer_id, tx.chunks, len(tx.layers), tx.nbytes, time.monotonic() - tx.t0)
 
     def poll_finished(self) -> dict[str, SendResult | TransferError]:
@@ -420,38 +503,72 @@ class KVSender:
         (acked, failed, or past their deadline); each is reported once."""
         out: dict[str, SendResult | TransferError] = {}
         with self._lock:
-            for ch in self._channels.values():
-                self._pump(ch)
             now = time.monotonic()
+            for ch in list(self._channels.values()):
+                self._pump(ch)
+                self._check_connect(ch, now)
             for x, tx in list(self._tx.items()):
-                if tx.deadline is None:
+                if tx.ack_deadline is None:
                     continue
                 if tx.state == "acked":
                     out[x] = SendResult(x, tx.chunks, len(tx.layers), tx.nbytes, now - tx.t0)
                 elif tx.state == "failed":
-                    out[x] = TransferError(f"transfer {x!r} failed: {tx.error}")
-                elif now > tx.deadline:
-                    self._on_timeout(tx, f"no ack from the receiver at {tx.channel.address} in time", tx.deadline)
-                    out[x] = TransferTimeout(f"transfer {x!r}: {tx.error}")
+                    out[x] = self._error(tx)
+                elif now > tx.ack_deadline:
+                    self._on_timeout(tx, f"no ack from the receiver at {tx.channel.address} in time", tx.done_at)
+                    out[x] = self._error(tx)
                 else:
                     continue
-                self._tx.pop(x, None)
+                self._forget(tx)
         return out
 
     def abort(self, xfer_id: str, reason: str = "aborted by sender") -> None:
-        """Tell the receiver to drop whatever it holds for ``xfer_id``; never blocks."""
+        """Tell the receiver to drop whatever it holds for ``xfer_id`` and forget
+        the transfer (also a failed one); never blocks."""
         with self._lock:
-            tx = self._tx.pop(xfer_id, None)
+            tx = self._tx.get(xfer_id)
             if tx is None:
                 return
-            if tx.state != "acked":
+            self._forget(tx)
+            if tx.state not in ("acked", "failed"):
                 self._send_abort(tx, reason)
             self.stats.add("transfers_aborted")
 
     def pending(self) -> list[str]:
-        """Transfers started and not yet finished/aborted/collected."""
+        """Transfers started and not yet finished/aborted/collected (failed ones
+        included, until the caller finishes or aborts them)."""
         with self._lock:
             return list(self._tx)
+
+    def destinations(self) -> dict[str, dict]:
+        """Per destination address: ``state`` (``"closed"``: usable, ``"open"``:
+        refused until ``open_until`` (``time.monotonic()``), ``"half_open"``: one
+        probe connection under way), ``failures`` (consecutive), ``last_error``,
+        ``open_until``, ``connected`` (credit grant received) and
+        ``inflight_bytes``."""
+        with self._lock:
+            return {a: {"state": ch.state, "failures": ch.failures, "last_error": ch.last_error,
+                        "open_until": ch.open_until, "connected": ch.ready, "inflight_bytes": ch.inflight}
+                    for a, ch in self._channels.items()}
+
+    def destination_ok(self, addr: str | None = None) -> bool:
+        """Whether a new transfer to ``addr`` (default: the sender's address) would
+        be let through now: False while its breaker is open (or a half-open
+        probe is still under way), and for a non-loopback address without CURVE
+        keys (unless ``allow_insecure_remote``)."""
+        addr = addr or self.address
+        with self._lock:
+            if not addr or self._closed or self._insecure(addr):
+                return False
+            ch = self._channels.get(addr)
+            if ch is None:
+                return True
+            now = time.monotonic()
+            self._pump(ch)
+            self._check_connect(ch, now)
+            if ch.state == OPEN:
+                return now >= ch.open_until
+            return ch.state == CLOSED
 
     def close(self) -> None:
         with self._lock:
@@ -461,9 +578,7 @@ class KVSender:
             for tx in self._tx.values():
                 self._fail(tx, "sender closed")
             for ch in self._channels.values():
-                if ch.sock is not None:
-                    ch.sock.close(0)
-                    ch.sock = None
+                self._drop_socket(ch)
             os.close(self._pipe_r)
             os.close(self._pipe_w)
 
@@ -475,6 +590,9 @@ class KVSender:
 
     # -------------------------------------------------- internals (hold _lock)
 
+    def _insecure(self, address: str) -> bool:
+        return self.curve is None and not self.allow_insecure_remote and not is_loopback(address)
+
     def _channel(self, address: str | None) -> _Channel:
         if self._closed:
             raise TransferError("sender is closed")
@@ -482,50 +600,119 @@ class KVSender:
             raise ValueError("no destination: pass dest= or construct KVSender(address)")
         ch = self._channels.get(address)
         if ch is None:
+            if self._insecure(address):
+                raise TransferError(f"{address}: refusing to send KV unencrypted to a non-loopback address; "
+                                    "configure CURVE keys (KVSender(curve=ClientKeys.load(dir))) or pass "
+                                    "allow_insecure_remote=True on a trusted network")
             ch = self._channels[address] = _Channel(address)
-            self._connect(ch)
         return ch
+
+    def _admit(self, ch: _Channel, now: float) -> None:
+        """Let a new transfer (or connect()) use ``ch``, making sure it has a
+        connection; raises :class:`DestinationUnavailable` while the breaker
+        refuses."""
+        self._pump(ch)
+        self._check_connect(ch, now)
+        if ch.state == OPEN:
+            if now < ch.open_until:
+                raise DestinationUnavailable(
+                    f"KV destination {ch.address} is unavailable for another {ch.open_until - now:.1f} s "
+                    f"(circuit breaker open after {ch.failures} consecutive failure(s); last: {ch.last_error})")
+            ch.state = HALF_OPEN  # this one is the probe, on a fresh connection
+            self._connect(ch, now)
+            return
+        if ch.state == HALF_OPEN:
+            raise DestinationUnavailable(f"KV destination {ch.address} is being probed after a failure "
+                                         f"({ch.last_error}); try again shortly")
+        if ch.sock is None:
+            self._connect(ch, now)
+        elif not ch.ready and not self._has_active(ch):
+            ch.connect_deadline = now + self.connect_timeout  # nobody was waiting: the bound starts now
+
+    def _has_active(self, ch: _Channel) -> bool:
+        return any(tx.channel is ch and tx.state in ("open", "done_sent") for tx in self._tx.values())
 
     def _open_transfer(self, xfer_id: str, dest: str | None) -> _TxTransfer:
         tx = self._tx.get(xfer_id)
         if tx is not None:
             if dest is not None and dest != tx.channel.address:
                 raise ValueError(f"transfer {xfer_id!r} already goes to {tx.channel.address}, not {dest}")
+            self._check_usable(tx)
             if tx.state != "open":
-                self._check_usable(tx)
                 raise TransferError(f"transfer {xfer_id!r} is already finishing")
             return tx
         ch = self._channel(dest or self.address)
-        tx = self._tx[xfer_id] = _TxTransfer(xfer_id, ch)
+        now = time.monotonic()
+        tx = _TxTransfer(xfer_id, ch, now + self.timeout)
+        try:
+            self._admit(ch, now)
+        except DestinationUnavailable as e:
+            self._tx[xfer_id] = tx  # remembered: later calls for it fail at once too
+            self._fail(tx, str(e), DestinationUnavailable, refused=True)
+            raise
+        tx.generation = ch.generation
+        self._tx[xfer_id] = tx
         self.stats.add("transfers_started")
         return tx
 
-    def _finish_async(self, xfer_id: str, timeout: float | None) -> _TxTransfer:
+    def _finish_async(self, xfer_id: str, timeout: float | None, digest: str) -> _TxTransfer:
         tx = self._tx.get(xfer_id)
         if tx is None:
             raise TransferError(f"unknown transfer {xfer_id!r} (never started, already finished or aborted)")
-        self._check_usable(tx)
+        try:
+            self._check_usable(tx)
+        except TransferError:
+            self._forget(tx)
+            raise
         if tx.state == "open":
+            now = time.monotonic()
             tx.state = "done_sent"
-            tx.deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            self._send(tx.channel, [wire.encode("done", xfer=xfer_id, chunks=tx.chunks, layers=len(tx.layers),
-                                                nbytes=tx.nbytes)])
+            tx.done_at = now
+            tx.ack_deadline = tx.deadline if timeout is None else min(tx.deadline, now + timeout)
+            try:
+                self._send(tx.channel, [wire.encode("done", xfer=xfer_id, chunks=tx.chunks, layers=len(tx.layers),
+                                                    nbytes=tx.nbytes, digest=digest)])
+            except zmq.ZMQError as e:
+                self._fail(tx, f"sending 'done' failed: {e}")
+                self._forget(tx)
+                raise self._error(tx) from None
         return tx
 
-    def _check_usable(self, tx: _TxTransfer, final: bool = False) -> None:
+    def _check_usable(self, tx: _TxTransfer) -> None:
+        """Raise the transfer's error if it failed (the record stays)."""
         if tx.state != "failed" and tx.generation != tx.channel.generation:
             self._fail(tx, f"connection to {tx.channel.address} was reset")
         if tx.state == "failed":
-            self._tx.pop(tx.xfer_id, None)
-            if tx.error and tx.error.startswith("timeout"):
-                raise TransferTimeout(f"transfer {tx.xfer_id!r}: {tx.error}")
-            raise TransferError(f"transfer {tx.xfer_id!r} failed: {tx.error}")
+            raise self._error(tx)
 
-    def _fail(self, tx: _TxTransfer, error: str) -> None:
-        if tx.state not in ("failed", "acked"):
-            tx.state = "failed"
-            tx.error = error
-            self.stats.add("transfers_failed")
+    @staticmethod
+    def _error(tx: _TxTransfer) -> TransferError:
+        if tx.error_cls is TransferError:
+            return TransferError(f"transfer {tx.xfer_id!r} failed: {tx.error}")
+        return tx.error_cls(f"transfer {tx.xfer_id!r}: {tx.error}")
+
+    def _fail(self, tx: _TxTransfer, error: str, cls: type[TransferError] = TransferError,
+              refused: bool = False) -> None:
+        if tx.state in ("failed", "acked"):
+            return
+        tx.state = "failed"
+        tx.error = error
+        tx.error_cls = cls
+        self.stats.add("transfers_refused" if refused else "transfers_failed")
+        failed = self._failed
+        failed[tx.xfer_id] = tx
+        failed.move_to_end(tx.xfer_id)
+        while len(failed) > MAX_FAILED_KEPT:  # the caller never finished/aborted these
+            x, old = failed.popitem(last=False)
+            if self._tx.get(x) is old:
+                del self._tx[x]
+
+    def _forget(self, tx: _TxTransfer) -> None:
+        x = tx.xfer_id
+        if self._tx.get(x) is tx:
+            del self._tx[x]
+        if self._failed.get(x) is tx:
+            del self._failed[x]
 
     def _send_abort(self, tx: _TxTransfer, reason: str) -> None:
         if tx.generation == tx.channel.generation and tx.channel.sock is not None:
@@ -535,78 +722,141 @@ class KVSender:
                 pass  # best effort
 
     def _send(self, ch: _Channel, frames: list) -> None:
-        # SNDHWM is unlimited (credit bounds the data), so this does not block;
-        # EAGAIN would mean "no peer pipe", which connect() never leaves us in.
+        # SNDHWM is unlimited (credit bounds the data), so this does not block
         ch.sock.send_multipart(frames, copy=False)
         if self._waiters:
             self._pump(ch)  # sending may have eaten the fd signal a sleeper waits for
 
     def _wait(self, ch: _Channel, pred: Callable[[], bool], deadline: float, tx: _TxTransfer, what: str) -> None:
-        """Wait (lock released while sleeping) until ``pred()``; TransferTimeout at
-        ``deadline``. Sleeps on the DEALER's file descriptor, which ZeroMQ signals
-        when incoming messages may be ready, and on the self-pipe that other threads
-        poke after applying incoming messages themselves."""
+        """Wait (lock released while sleeping) until ``pred()`` or until ``tx`` failed
+        (callers then ``_check_usable``); TransferTimeout at ``deadline``. While the
+        connection waits for its credit grant, its connect bound applies too.
+        Sleeps on the DEALER's and its monitor's file descriptors, which ZeroMQ
+        signals when messages/events may be ready, and on the self-pipe that
+        other threads poke after applying incoming messages themselves."""
         start = time.monotonic()
         while True:
             self._pump(ch)
-            if pred():
+            if tx.state == "failed" or tx.generation != ch.generation or pred():
                 return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if self._check_connect(ch, now):
+                return  # the connection failed (tx with it)
+            if now >= deadline:
                 self._on_timeout(tx, what, start)
                 raise TransferTimeout(f"transfer {tx.xfer_id!r}: timeout: {what}")
-            fd = ch.fd
+            wake = deadline if ch.ready else min(deadline, ch.connect_deadline)
+            fds = [fd for fd in (ch.fd, ch.mon_fd) if fd >= 0] + [self._pipe_r]
             self._waiters += 1
             self._lock.release()
             try:
-                r, _, _ = select.select([fd, self._pipe_r], [], [], min(remaining, 0.05 if self._waiters <= 1 else 0.005))
+                r, _, _ = select.select(fds, [], [], max(0.0, min(wake - now, 0.05 if self._waiters <= 1 else 0.005)))
                 if self._pipe_r in r:
                     try:
                         os.read(self._pipe_r, 4096)
                     except BlockingIOError:
                         pass
+            except (OSError, ValueError):
+                pass  # a socket was closed by another thread meanwhile: re-check under the lock
             finally:
                 self._lock.acquire()
                 self._waiters -= 1
 
+    def _check_connect(self, ch: _Channel, now: float) -> bool:
+        """Apply the connect bound: a connection without its credit grant by
+        ``connect_deadline`` fails, if anyone waits on it (or it is the
+        half-open probe). True when it just failed."""
+        if ch.sock is None or ch.ready or now < ch.connect_deadline:
+            return False
+        if ch.state != HALF_OPEN and not self._has_active(ch):
+            return False
+        self.stats.add("connect_timeouts")
+        self._channel_failed(ch, f"no credit grant from the receiver at {ch.address} within connect_timeout "
+                                 f"{self.connect_timeout:g} s (not running, unreachable, or CURVE keys that do not "
+                                 f"match?)", TransferTimeout)
+        return True
+
     def _on_timeout(self, tx: _TxTransfer, what: str, since: float) -> None:
         self.stats.add("timeouts")
         if tx.state not in ("failed", "acked"):
-            self._fail(tx, f"timeout: {what}")
+            self._fail(tx, f"timeout: {what}", TransferTimeout)
             self._send_abort(tx, f"sender gave up: {what}")
-        self._tx.pop(tx.xfer_id, None)
         ch = tx.channel
-        if ch.last_rx < since and ch.sock is not None:
-            # nothing heard from the receiver while we waited: treat the connection as
-            # dead; a fresh DEALER (new routing id, new hello) picks up a restarted one
-            self._reset(ch)
+        silent = time.monotonic() - since
+        if ch.sock is not None and tx.generation == ch.generation and ch.last_rx < since \
+                and silent >= self.connect_timeout:
+            # nothing heard from the receiver while we waited: treat it as gone
+            self._channel_failed(ch, f"nothing heard from the receiver for {silent:.1f} s (transfer "
+                                     f"{tx.xfer_id!r} timed out: {what})", TransferError)
 
-    def _connect(self, ch: _Channel) -> None:
+    def _channel_failed(self, ch: _Channel, error: str, cls: type[TransferError]) -> None:
+        """Drop the connection, fail every transfer on it, open the breaker."""
+        now = time.monotonic()
+        ch.failures += 1
+        cooldown = min(self.breaker_cooldown_s * 2 ** min(ch.failures - 1, 30), self.breaker_max_cooldown_s)
+        ch.state = OPEN
+        ch.open_until = now + cooldown
+        ch.last_error = error
+        log.warning("kvtransfer sender: %s: %s; refusing new transfers to it for %.1f s", ch.address, error, cooldown)
+        for tx in self._tx.values():
+            if tx.channel is ch and tx.state in ("open", "done_sent"):
+                self._fail(tx, f"connection to {ch.address} dropped: {error}", cls)
+        self._drop_socket(ch)
+        self.stats.add("breaker_opens")
+        self.stats.add("channel_resets")
+
+    def _connect(self, ch: _Channel, now: float) -> None:
+        """A fresh DEALER (new routing id) for ``ch``, greeting the receiver."""
+        self._drop_socket(ch)
         s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, f"{self.name}-{next(_Channel._ids)}-{uuid.uuid4().hex[:8]}".encode())
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)   # the credit window bounds the data in flight
-        s.setsockopt(zmq.RCVHWM, 0)   # only small control messages come back
-        s.connect(ch.address)
-        ch.sock = s
+        mon = None
+        try:
+            # an unguessable routing id: the receiver ties transfer ownership to it
+            s.setsockopt(zmq.IDENTITY, f"{self.name[:64]}-{uuid.uuid4().hex}".encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)   # the credit window bounds the data in flight
+            s.setsockopt(zmq.RCVHWM, SENDER_RCVHWM)  # only small control messages come back
+            if self.curve is not None:
+                s.curve_publickey = self.curve.public
+                s.curve_secretkey = self.curve.secret
+                s.curve_serverkey = self.curve.server_public
+            endpoint = f"inproc://{self.name}-monitor-{uuid.uuid4().hex}"
+            s.monitor(endpoint, _MONITORED)
+            mon = self._ctx.socket(zmq.PAIR)
+            mon.setsockopt(zmq.LINGER, 0)
+            mon.connect(endpoint)
+            s.connect(ch.address)
+        except zmq.ZMQError as e:
+            s.close(0)
+            if mon is not None:
+                mon.close(0)
+            raise ValueError(f"cannot connect to KV destination {ch.address!r}: {e}") from None
+        ch.sock, ch.monitor = s, mon
         ch.fd = s.getsockopt(zmq.FD)
+        ch.mon_fd = mon.getsockopt(zmq.FD)
         ch.ready = False
         ch.credit = ch.inflight = 0
+        ch.connect_deadline = now + self.connect_timeout
         s.send(wire.encode("hello"))
 
-    def _reset(self, ch: _Channel) -> None:
-        log.warning("kvtransfer sender: no reply from %s; reconnecting", ch.address)
-        ch.sock.close(0)  # drops what is queued (and releases staging buffers)
-        ch.sock = None
-        ch.generation += 1
-        for tx in self._tx.values():
-            if tx.channel is ch:
-                self._fail(tx, f"connection to {ch.address} reset after a timeout")
-        self.stats.add("channel_resets")
-        self._connect(ch)
+    def _drop_socket(self, ch: _Channel) -> None:
+        if ch.sock is not None:
+            try:
+                ch.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            ch.sock.close(0)  # drops what is queued (and releases staging buffers)
+            ch.sock = None
+            ch.generation += 1
+        if ch.monitor is not None:
+            ch.monitor.close(0)
+            ch.monitor = None
+        ch.fd = ch.mon_fd = -1
+        ch.ready = False
 
     def _pump(self, ch: _Channel) -> None:
-        """Read and apply everything the receiver sent (non-blocking)."""
+        """Read and apply everything the receiver sent, then the connection's
+        events (non-blocking)."""
         sock = ch.sock
         if sock is None:
             return
@@ -615,12 +865,7 @@ class KVSender:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                if n and self._waiters:
-                    try:
-                        os.write(self._pipe_w, b"x")
-                    except BlockingIOError:
-                        pass
-                return
+                break
             n += 1
             try:
                 msg = wire.decode(frames, RECEIVER_KINDS, wire.MAX_HEADER_BYTES)
@@ -630,17 +875,10 @@ class KVSender:
             ch.last_rx = time.monotonic()
             h = msg.header
             if msg.kind == "credit":
-                if h["init"]:
-                    ch.window = h["bytes"]
-                    ch.max_message = h["max_message"]
-                    ch.credit = h["bytes"] - ch.inflight
-                    ch.ready = True
-                else:
-                    ch.credit += h["bytes"]
-                    ch.inflight = max(0, ch.inflight - h["bytes"])
+                self._apply_credit(ch, h)
                 continue
             tx = self._tx.get(h["xfer"])
-            if tx is None or tx.channel is not ch:
+            if tx is None or tx.channel is not ch or tx.generation != ch.generation:
                 continue  # a late answer about a transfer we already gave up on
             if msg.kind == "ack":
                 if tx.state == "done_sent":
@@ -648,3 +886,66 @@ class KVSender:
                     self.stats.add("transfers_acked")
             else:  # nack
                 self._fail(tx, f"receiver: {h['reason']}")
+        if n and self._waiters:
+            try:
+                os.write(self._pipe_w, b"x")
+            except BlockingIOError:
+                pass
+        self._pump_events(ch)
+
+    def _apply_credit(self, ch: _Channel, h: dict) -> None:
+        if h["init"]:
+            if h["bytes"] < MIN_CREDIT_BYTES or h["max_message"] < MIN_MAX_MESSAGE_BYTES:
+                log_reject("sender", self.stats.reject("bad_credit"),
+                           f"credit grant of {h['bytes']} bytes / max_message {h['max_message']} is below "
+                           f"{MIN_CREDIT_BYTES} / {MIN_MAX_MESSAGE_BYTES}", ch.address)
+                return
+            ch.window = h["bytes"]
+            ch.max_message = h["max_message"]
+            ch.credit = max(0, ch.window - ch.inflight)
+            ch.ready = True
+            if ch.state != CLOSED:
+                log.info("kvtransfer sender: %s answers again; accepting transfers to it", ch.address)
+            ch.state = CLOSED
+            ch.failures = 0
+        elif ch.ready:
+            ch.inflight = max(0, ch.inflight - h["bytes"])
+            ch.credit = min(ch.credit + h["bytes"], ch.window - ch.inflight)  # never beyond the window
+
+    def _pump_events(self, ch: _Channel) -> None:
+        mon = ch.monitor
+        while mon is not None:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # a local socket: never malformed, but never fatal either
+                continue
+            if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.stats.add("handshake_failures")
+                why = ("the receiver refused this sender's CURVE client key (it is not in the receiver's "
+                       "clients/ directory)")
+            elif event & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self.stats.add("handshake_failures")
+                why = ("the connection handshake failed (CURVE key mismatch: wrong server key, or only one side "
+                       "uses CURVE)")
+            elif event & zmq.EVENT_DISCONNECTED:
+                self.stats.add("connection_resets")
+                why = "the connection was reset (receiver stopped or restarted?)"
+            else:
+                continue
+            self._channel_failed(ch, why, TransferError)
+            return
+
+
+def _check_xfer_id(xfer_id: Any) -> None:
+    if not wire.valid_xfer(xfer_id):
+        raise ValueError(f"xfer_id must be a non-empty str of at most {wire.MAX_XFER_LEN} chars")
+
+
+def _check_digest(digest: Any) -> None:
+    if not wire.valid_digest(digest):
+        raise ValueError(f"digest must be a str of at most {wire.MAX_DIGEST_LEN} lower-case hex digits, "
+                         f"got {digest!r:.80}")

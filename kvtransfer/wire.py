@@ -9,6 +9,9 @@ Nothing is ever pickled: the header is plain msgpack (str/int/bool/list/map only
 the payload is the C-contiguous, little-endian bytes of one chunk.
 
 Header fields common to every kind: ``v`` (int, must be 1) and ``kind`` (str).
+A transfer id (``xfer``) is always a non-empty str of at most
+:data:`MAX_XFER_LEN` characters (any other value makes the whole message
+malformed); ``reason`` strings are at most :data:`MAX_REASON_LEN` characters.
 The other fields depend on the kind; a header must carry exactly these fields,
 no more and no less, each of the stated type (``bool`` is never accepted where an
 ``int`` is expected):
@@ -33,10 +36,14 @@ sender -> receiver
     carries the full list. ``dtype`` comes from :data:`DTYPES`;
     ``nbytes == prod(shape) * itemsize(dtype) == len(payload frame)`` and
     ``offset + nbytes <= prod(lshape) * itemsize``.
-``done``   ``xfer: str, chunks: int>=0, layers: int>=0, nbytes: int>=0``
+``done``   ``xfer: str, chunks: int>=0, layers: int>=0, nbytes: int>=0, digest: str``
     Closes a transfer, announcing how many ``kv`` chunks, distinct layers and
     payload bytes were sent, so the receiver can tell a complete transfer from a
-    truncated one.
+    truncated one. ``digest`` (0..128 chars of ``[0-9a-f]``, empty when unused)
+    is opaque to the transport: the sender's caller passes it to
+    ``KVSender.finish`` and the receiver hands it over as
+    ``TransferResult.digest`` (the vLLM connector puts a digest of the
+    prompt's token ids there, to bind the transfer to its request).
 ``abort``  ``xfer: str, reason: str``
     The receiver drops whatever it holds for ``xfer``.
 
@@ -55,6 +62,7 @@ receiver -> sender
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any, Sequence
 
 import msgpack
@@ -87,6 +95,9 @@ MAX_NDIM = 16
 MAX_BLOCKS = 1 << 20
 MAX_XFER_LEN = 512
 MAX_REASON_LEN = 4096
+#: Longest ``digest`` of a ``done`` message (lower-case hex, possibly empty).
+MAX_DIGEST_LEN = 128
+_HEX = frozenset("0123456789abcdef")
 
 SENDER_KINDS = ("hello", "kv", "done", "abort")
 RECEIVER_KINDS = ("credit", "ack", "nack")
@@ -96,7 +107,7 @@ _FIELDS: dict[str, dict[str, str]] = {
     "hello": {},
     "kv": {"xfer": "xfer", "layer": "int", "seq": "int", "blocks": "ints", "dtype": "dtype",
            "shape": "shape", "nbytes": "int", "offset": "int", "lshape": "shape"},
-    "done": {"xfer": "xfer", "chunks": "int", "layers": "int", "nbytes": "int"},
+    "done": {"xfer": "xfer", "chunks": "int", "layers": "int", "nbytes": "int", "digest": "digest"},
     "abort": {"xfer": "xfer", "reason": "str"},
     "credit": {"bytes": "int", "init": "bool", "max_message": "int"},
     "ack": {"xfer": "xfer", "chunks": "int", "nbytes": "int"},
@@ -105,16 +116,30 @@ _FIELDS: dict[str, dict[str, str]] = {
 _PAYLOAD_FRAMES = {"kv": 1}
 
 
+def valid_xfer(x: Any) -> bool:
+    """True for a well-formed transfer id: a non-empty str of at most
+    :data:`MAX_XFER_LEN` characters."""
+    return type(x) is str and 0 < len(x) <= MAX_XFER_LEN
+
+
+def valid_digest(d: Any) -> bool:
+    """True for a well-formed ``done`` digest: a str of at most
+    :data:`MAX_DIGEST_LEN` lower-case hex digits (empty allowed)."""
+    return type(d) is str and len(d) <= MAX_DIGEST_LEN and _HEX.issuperset(d)
+
+
 class WireError(ValueError):
     """A malformed message. ``reason`` is a short token used as a stats key; the
     message names the offending field. ``xfer`` is the transfer id when the
-    header got far enough to tell it (else ``None``)."""
+    header got far enough to tell it, and only ever a *valid* one
+    (:func:`valid_xfer`; anything else is ``None``), so a receiver can always
+    name it in a ``nack``."""
 
-    def __init__(self, reason: str, detail: str, xfer: str | None = None):
+    def __init__(self, reason: str, detail: str, xfer: Any = None):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-        self.xfer = xfer
+        self.xfer: str | None = xfer if valid_xfer(xfer) else None
 
 
 class Message:
@@ -189,11 +214,11 @@ def decode(frames: Sequence[Any], kinds: Sequence[str], max_message_bytes: int |
     if not (header.get("kind") == "kv" and "kv" in kinds and _kv_header_ok(header)):
         _check_header(header, kinds)  # the general checker (and the precise error message)
     kind = header["kind"]
-    payload = tuple(f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames[1:])
     want = _PAYLOAD_FRAMES.get(kind, 0)
-    if len(payload) != want:
-        raise WireError("frame_count", f"'{kind}' message needs {want} payload frame(s), got {len(payload)}",
+    if len(frames) - 1 != want:
+        raise WireError("frame_count", f"'{kind}' message needs {want} payload frame(s), got {len(frames) - 1}",
                         xfer=header.get("xfer"))
+    payload = tuple(f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames[1:])
     if kind == "kv":
         _check_kv(header, payload[0])
     return Message(kind, header, payload)
@@ -230,7 +255,7 @@ def _peek_xfer(head: memoryview) -> str | None:
     try:
         h = msgpack.unpackb(head, raw=False, max_bin_len=0, max_ext_len=0, max_map_len=64)
         x = h.get("xfer") if isinstance(h, dict) else None
-        return x if isinstance(x, str) and 0 < len(x) <= MAX_XFER_LEN else None
+        return x if valid_xfer(x) else None
     except Exception:
         return None
 
@@ -244,7 +269,7 @@ def _check_header(h: dict, kinds: Sequence[str]) -> None:
     if kind not in kinds or not isinstance(kind, str):
         raise WireError("bad_kind", f"field 'kind': expected one of {list(kinds)}, got {kind!r}")
     spec = _FIELDS[kind]
-    xfer = h.get("xfer") if isinstance(h.get("xfer"), str) else None
+    xfer = h.get("xfer") if valid_xfer(h.get("xfer")) else None
     if len(h) != len(spec) + 2:
         for name in h:
             if name not in spec and name not in ("v", "kind"):
@@ -260,7 +285,7 @@ def _is_nonneg_int(x) -> bool:
 
 
 def _bad(name: str, x, expected: str, xfer) -> WireError:
-    shown = repr(x) if len(repr(x)) < 80 else repr(x)[:77] + "..."
+    shown = reprlib.repr(x)  # bounded work even for a million-element list
     return WireError("bad_field", f"field {name!r}: expected {expected}, got {type(x).__name__} {shown}", xfer)
 
 
@@ -276,8 +301,11 @@ def _check_field(name: str, tag: str, x, xfer) -> None:
         if t is not list or len(x) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in x):
             raise _bad(name, x, f"list of at most {MAX_NDIM} ints >= 0", xfer)
     elif tag == "xfer":
-        if t is not str or not 0 < len(x) <= MAX_XFER_LEN:
+        if not valid_xfer(x):
             raise _bad(name, x, f"non-empty str of at most {MAX_XFER_LEN} chars", xfer)
+    elif tag == "digest":
+        if not valid_digest(x):
+            raise _bad(name, x, f"str of at most {MAX_DIGEST_LEN} lower-case hex digits", xfer)
     elif tag == "dtype":
         if t is not str:
             raise _bad(name, x, "dtype name (str)", xfer)
