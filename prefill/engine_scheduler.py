@@ -30,6 +30,28 @@ T_pd of the batch vLLM actually scheduled, and the pair feeds β.
 ``local_policy = "stock"`` runs vLLM's own decisions unchanged, with the same
 per-step timing and recording: that is what the profiler drives and what the
 scheduling-overhead benchmark compares against.
+
+Step record (``record_steps``): one JSON line per executed step, written only
+when recording is on. Besides the batch's composition and timing (``step``,
+``wall``, ``prefills``, ``decodes``, ``time``, ``sched_s``, ``est``, ``beta``
+after the step, ``waiting``, ``finished``) it holds what vLLM did, ``admitted``
+(``[id, class, prompt length, chunk]`` of the requests it took from its waiting
+queue, in admission order) and ``scheduled`` (``[id, tokens]`` of every request
+in the step, in vLLM's order: running requests first, then the waiting ones),
+and ``plan``, what the policy decided and from which state (``null`` for
+"stock"):
+
+* ``now``, ``beta`` (the β the policy planned with), ``t_budget``,
+  ``n_urgent``, ``n_normal``, ``est`` and ``items`` (``[id, chunk, urgent]``
+  of the batch, in plan order; decodes have chunk 1);
+* ``view``: the :class:`InstanceView` the policy saw, ``mode``,
+  ``free_blocks``, ``block_size``, ``reserve_blocks`` and its ``waiting`` and
+  ``decoding`` requests in view order, each with the fields a policy reads
+  (see :func:`request_record`) and the scratch values the policy left on it
+  (``exec``, ``remain``, ``density``, ``urgent``: for SlideBatching these give
+  the full order of Alg. 1 line 13, including the requests that did not fit
+  the budget). Rebuilding the view with :func:`view_from_record` and giving it
+  to the same policy at the same β reproduces the plan.
 """
 
 from __future__ import annotations
@@ -70,8 +92,10 @@ class ProServeScheduler(Scheduler):
         self.mode = cfg.mode
         self._views: dict[str, PolicyRequest] = {}
         self._caps: dict[str, int] | None = None
-        self._last: tuple | None = None  # (t_end, prefills, decodes, sched_s, admitted) of the step in flight
+        # (t_end, prefills, decodes, sched_s, admitted, scheduled) of the step in flight
+        self._last: tuple | None = None
         self._plan_record: dict | None = None
+        self._plan_view: InstanceView | None = None   # the view of that plan, recorded after timing
         self._plan = None          # the BatchPlan of the step in flight, for policy.on_batch_done
         self.last_info = None      # ScheduleInfo of the latest plan
         self.steps = 0
@@ -161,6 +185,11 @@ class ProServeScheduler(Scheduler):
             out = self._schedule_planned(*args, **kwargs)
         t1 = time.perf_counter()
         self._remember(out, t1, t1 - t0)
+        if self._plan_view is not None:
+            # written out here, after timing, so that recording does not count as scheduling time;
+            # nothing changes the policy's requests between the plan and here
+            self._plan_record["view"] = view_record(self._plan_view)
+            self._plan_view = None
         return out
 
     def _schedule_planned(self, *args, **kwargs):
@@ -172,9 +201,10 @@ class ProServeScheduler(Scheduler):
         if self._record is not None:
             self._plan_record = {
                 "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
-                "est": plan.info.est_time, "now": now,
+                "est": plan.info.est_time, "now": now, "beta": self.estimator.beta,
                 "items": [[r.id, n, bool(r.urgent)] for r, n in plan.prefill] + [[r.id, 1, bool(r.urgent)]
                                                                                 for r in plan.decode]}
+            self._plan_view = view
         caps = {r.id: n for r, n in plan.prefill}
         for r in plan.decode:
             caps[r.id] = 1
@@ -263,7 +293,8 @@ class ProServeScheduler(Scheduler):
             req = self.requests.get(new.req_id)
             admitted.append([new.req_id, v.priority if v else None, req.num_prompt_tokens if req else None,
                              out.num_scheduled_tokens.get(new.req_id, 0)])
-        self._last = (t_end, prefills, decodes, sched_s, admitted)
+        scheduled = list(map(list, out.num_scheduled_tokens.items())) if self._record is not None else None
+        self._last = (t_end, prefills, decodes, sched_s, admitted, scheduled)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         t_real_end = time.perf_counter()
@@ -289,7 +320,7 @@ class ProServeScheduler(Scheduler):
                 finished.append([rid, len(v.token_times)])
                 self._finished(self._views.pop(rid, None), now)
         if last is not None:
-            t_end, prefills, decodes, sched_s, admitted = last
+            t_end, prefills, decodes, sched_s, admitted, scheduled = last
             t_real = t_real_end - t_end
             est_raw = self.estimator.model.batch_time(prefills, decodes)
             beta_before = self.estimator.beta
@@ -300,7 +331,7 @@ class ProServeScheduler(Scheduler):
                     "step": self.steps, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
                     "sched_s": sched_s, "est": est_raw * beta_before, "beta": beta,
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting), "admitted": admitted,
-                    "finished": finished, "plan": self._plan_record}) + "\n")
+                    "scheduled": scheduled, "finished": finished, "plan": self._plan_record}) + "\n")
         return outputs
 
     def shutdown(self) -> None:
@@ -308,3 +339,43 @@ class ProServeScheduler(Scheduler):
             self._record.close()
             self._record = None
         super().shutdown()
+
+
+# -- the step record's view: what the policy saw, enough to replay its decision ---------------------
+def request_record(r: PolicyRequest) -> dict:
+    """The fields of ``r`` a policy reads, and the scratch values it left on ``r``.
+
+    Of the emitted tokens' times only the count and the first and last ones are
+    kept (what SlideBatching and the TDG deadlines read), so that a record stays
+    small however long a request decodes.
+    """
+    times = r.token_times
+    return {"id": r.id, "class": r.priority, "weight": r.weight, "ttft_slo": r.ttft_slo, "tpot_slo": r.tpot_slo,
+            "arrival": r.arrival, "prompt_len": r.prompt_len, "prefill_len": r.prefill_len,
+            "prefilled": r.prefilled, "kv_len": r.kv_len, "phase": r.phase.value, "emitted": len(times),
+            "first_token": times[0] if times else None, "last_token": times[-1] if times else None,
+            "exec": r.exec, "remain": r.remain, "density": r.density, "urgent": bool(r.urgent)}
+
+
+def view_record(view: InstanceView) -> dict:
+    return {"mode": view.mode, "free_blocks": view.free_blocks, "block_size": view.block_size,
+            "reserve_blocks": view.reserve_blocks, "waiting": [request_record(r) for r in view.waiting],
+            "decoding": [request_record(r) for r in view.decoding]}
+
+
+def request_from_record(d: dict) -> PolicyRequest:
+    """A fresh policy request in the state :func:`request_record` saw (scratch values not copied)."""
+    n = d["emitted"]
+    times = [] if n == 0 else [d["first_token"]] + [d["last_token"]] * (n - 1)
+    return PolicyRequest(id=d["id"], priority=d["class"], weight=d["weight"], ttft_slo=d["ttft_slo"],
+                         tpot_slo=d["tpot_slo"], arrival=d["arrival"], prompt_len=d["prompt_len"],
+                         phase=Phase(d["phase"]), token_times=times, prefill_len=d["prefill_len"],
+                         prefilled=d["prefilled"], kv_len=d["kv_len"])
+
+
+def view_from_record(plan_record: dict) -> InstanceView:
+    """The :class:`InstanceView` a step record's ``plan`` was made from (its ``now`` and ``view``)."""
+    v = plan_record["view"]
+    return InstanceView(now=plan_record["now"], waiting=[request_from_record(d) for d in v["waiting"]],
+                        decoding=[request_from_record(d) for d in v["decoding"]], free_blocks=v["free_blocks"],
+                        block_size=v["block_size"], mode=v["mode"], reserve_blocks=v["reserve_blocks"])
