@@ -21,9 +21,16 @@ examples:
   python -m dispatcher --config cluster.toml --keys keys.toml
   # co-located instances (whole requests on one engine), Min-Load routing
   python -m dispatcher --deployment colocated --prefill http://127.0.0.1:8100 --global-policy min_load
+  # workers started with an API key (vLLM's --api-key): the dispatcher sends it on every call
+  python -m dispatcher --config cluster.toml --keys keys.toml --worker-key-file secrets/worker.key
 
 requests: POST /v1/completions or /v1/chat/completions with 'Authorization: Bearer <key>'; optional
 fields "priority": "<class>" and "slo": {"ttft_ms": 500, "tpot_ms": 50} within what the key allows.
+
+limits: the key is checked before the body is read; bodies over --max-body-mb get 413, bodies that
+take longer than --body-timeout 408, connections that do not send their headers within
+--header-timeout are closed; over --max-concurrent requests in progress (or --max-concurrent-per-key
+for one client) get 429 with Retry-After. Every error is an OpenAI-style JSON object.
 """
 
 
@@ -61,7 +68,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="served model name (default: what the workers report)")
     ap.add_argument("--record-requests", metavar="PATH", help="append one JSON line per finished request")
     ap.add_argument("--health-interval", type=float, help="seconds between health checks (default 1)")
-    ap.add_argument("--request-timeout", type=float, help="seconds a request may take in all (default 600)")
+    ap.add_argument("--health-timeout", type=float, help="seconds a worker's /health (and /metrics) may take "
+                                                         "(default 5; a slow /health of a worker whose requests "
+                                                         "are progressing is not a failure)")
+    ap.add_argument("--request-timeout", type=float, help="seconds a request may take in all (default 600); "
+                                                          "the only limit on an unstreamed answer")
+    ap.add_argument("--stream-idle-timeout", type=float, metavar="SECONDS",
+                    help="longest silence between two events of a worker's stream (default 60); the "
+                         "request then ends (504) but the worker stays in service")
+    ap.add_argument("--max-body-mb", type=float, help="largest request body in MB (default 16; 413 above)")
+    ap.add_argument("--header-timeout", type=float, metavar="SECONDS",
+                    help="a client connection must send its request headers within this (default 10)")
+    ap.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                    help="... and its whole body within this after them (default 30; 408)")
+    ap.add_argument("--max-concurrent", type=int, metavar="N",
+                    help="requests in progress at once, overall (default 1024; 429 above)")
+    ap.add_argument("--max-concurrent-per-key", type=int, metavar="N",
+                    help="requests in progress at once per client of the keys file (default 256; 429 above)")
+    ap.add_argument("--worker-key-file", metavar="PATH",
+                    help="file holding the API key the workers demand (sent as 'Authorization: Bearer' on "
+                         "every call to them); default: $PROSERVE_WORKER_API_KEY if set, else no key")
     ap.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
                     help="at start, wait up to this long for every instance to answer (default: don't)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -73,7 +99,12 @@ def config_from_args(args) -> DispatcherConfig:
     for attr, flag in (("host", "host"), ("port", "port"), ("deployment", "deployment"),
                        ("global_policy", "global_policy"), ("default_class", "default_class"),
                        ("model", "model"), ("record_requests", "record_requests"),
-                       ("health_interval_s", "health_interval"), ("request_timeout_s", "request_timeout")):
+                       ("health_interval_s", "health_interval"), ("health_timeout_s", "health_timeout"),
+                       ("request_timeout_s", "request_timeout"), ("stream_idle_timeout_s", "stream_idle_timeout"),
+                       ("max_body_mb", "max_body_mb"), ("header_timeout_s", "header_timeout"),
+                       ("body_timeout_s", "body_timeout"), ("max_concurrent", "max_concurrent"),
+                       ("max_concurrent_per_key", "max_concurrent_per_key"),
+                       ("worker_api_key_file", "worker_key_file")):
         v = getattr(args, flag)
         if v is not None:
             setattr(cfg, attr, v)
@@ -133,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
+    from .server import uvicorn_config
     app = create_app(d, wait_s=args.wait_ready)
     logging.getLogger("proserve.dispatcher").info(
-        "dispatcher on http://%s:%d: %s, policy %s, %d prefill + %d decode instances", cfg.host, cfg.port,
-        cfg.deployment, cfg.global_policy, len(cfg.prefill), len(cfg.decode))
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level if args.log_level != "info" else "warning",
-                access_log=False)
+        "dispatcher on http://%s:%d: %s, policy %s, %d prefill + %d decode instances%s", cfg.host, cfg.port,
+        cfg.deployment, cfg.global_policy, len(cfg.prefill), len(cfg.decode),
+        ", with a worker key" if d.worker_key else "")
+    uvicorn.Server(uvicorn_config(d, app, log_level=args.log_level if args.log_level != "info" else "warning")).run()
     return 0

@@ -10,6 +10,18 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       port = 8000
       global_policy = "go_routing"  # go_routing | min_load | round_robin | random | ...
       deployment = "disaggregated"  # or "colocated" (no decode pool: whole requests on one instance)
+      # limits on what clients may send (defaults shown)
+      max_body_mb = 16.0            # larger request bodies: 413 (checked before reading them)
+      header_timeout_s = 10.0       # a connection must send its request headers within this
+      body_timeout_s = 30.0         # ... and the whole body within this after them (else 408)
+      max_concurrent = 1024         # requests admitted at once, overall (else 429 + Retry-After)
+      max_concurrent_per_key = 256  # ... and per client of the keys file
+      # timeouts towards the workers
+      stream_idle_timeout_s = 60.0  # longest silence between two events of an upstream stream
+      request_timeout_s = 600.0     # a whole request (unstreamed: the only limit on its answer)
+      health_timeout_s = 5.0        # a worker's /health (and /metrics scrape) must answer within this
+      stream_queue_events = 64      # events buffered per stream before the upstream read waits
+      worker_api_key_file = "worker.key"  # optional: the key the workers demand (relative: to this file)
       [global_params]               # keyword arguments of the policy, e.g. alpha = 0.9
       [gain]                        # TDG weights (Eq. 3): w_p, w_d; deadline = "fixed" | "ttft_anchored"
       w_p = 1.0
@@ -24,6 +36,11 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
 
   Instances on other hosts are just other URLs and KV addresses (bind the
   workers to a non-loopback address only on a trusted network).
+
+  The worker key (``worker_api_key_file``, ``--worker-key-file``, or else the
+  environment variable ``PROSERVE_WORKER_API_KEY``) is sent as
+  ``Authorization: Bearer <key>`` on every call to a worker; start the workers
+  with the same key (vLLM's ``--api-key``).
 
 * the **keys file** (``--keys``) maps each API key to a client, its priority
   class and the SLO range it may ask for::
@@ -42,6 +59,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +73,8 @@ from scheduler.tdg import GainConfig
 
 #: SLOs above this are absurd for an interactive service and rejected as input errors
 MAX_SLO_MS = 3_600_000.0
+#: environment variable holding the worker key when no key file is configured
+WORKER_KEY_ENV = "PROSERVE_WORKER_API_KEY"
 
 
 @dataclass
@@ -95,9 +115,17 @@ class DispatcherConfig:
     model: str | None = None               # served model name; default: what the workers report
     health_interval_s: float = 1.0
     health_failures: int = 3               # consecutive failed checks before an instance leaves the set
+    health_timeout_s: float = 5.0          # /health and /metrics answer within this (progress excuses slow /health)
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0       # a whole request, first byte to last
-    idle_timeout_s: float = 60.0           # longest silence of an upstream stream
+    stream_idle_timeout_s: float = 60.0    # longest silence between two events of an upstream stream
+    max_body_mb: float = 16.0              # request bodies above this: 413
+    header_timeout_s: float = 10.0         # from connecting to the end of the request headers
+    body_timeout_s: float = 30.0           # from the end of the headers to the end of the body: 408
+    max_concurrent: int = 1024             # requests admitted at once, overall: 429 above
+    max_concurrent_per_key: int = 256      # requests admitted at once per client (keys file): 429 above
+    stream_queue_events: int = 64          # per stream, events read from the worker but not yet sent
+    worker_api_key_file: str | None = None  # file holding the key the workers demand (else $PROSERVE_WORKER_API_KEY)
     record_requests: str | None = None     # JSONL of per-request records
     seed: int = 0
 
@@ -115,13 +143,19 @@ class DispatcherConfig:
             raise ConfigError(f"{where}: deployment \"colocated\" takes no decode instances")
         if not (0 < self.port < 65536):
             raise ConfigError(f"{where}: dispatcher.port must be in 1..65535, got {self.port!r}")
-        for k in ("health_interval_s", "connect_timeout_s", "request_timeout_s", "idle_timeout_s"):
+        for k in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "request_timeout_s",
+                  "stream_idle_timeout_s", "max_body_mb", "header_timeout_s", "body_timeout_s"):
             v = getattr(self, k)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{where}: dispatcher.{k} must be > 0, got {v!r}")
-        if not isinstance(self.health_failures, int) or self.health_failures < 1:
-            raise ConfigError(f"{where}: dispatcher.health_failures must be an integer >= 1, "
-                              f"got {self.health_failures!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{where}: dispatcher.{k} must be a number > 0, got {v!r}")
+        for k in ("health_failures", "max_concurrent", "max_concurrent_per_key", "stream_queue_events"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{where}: dispatcher.{k} must be an integer >= 1, got {v!r}")
+        if self.worker_api_key_file is not None and (not isinstance(self.worker_api_key_file, str)
+                                                     or not self.worker_api_key_file):
+            raise ConfigError(f"{where}: dispatcher.worker_api_key_file must be a file path, "
+                              f"got {self.worker_api_key_file!r}")
         if self.default_class is not None and self.default_class not in self.classes:
             raise ConfigError(f"{where}: dispatcher.default_class {self.default_class!r} is not a class "
                               f"({', '.join(self.classes)})")
@@ -136,6 +170,34 @@ class DispatcherConfig:
                     s.name = f"{kind[0]}{i}"
         for i, d in enumerate(self.decode):
             check_kv_addr(d.kv_addr, f"{where}: decode[{i}].kv_addr")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def worker_api_key(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        """The key to send the workers: ``worker_api_key_file``'s content (whitespace
+        stripped), else ``$PROSERVE_WORKER_API_KEY``, else None (no key sent)."""
+        if self.worker_api_key_file:
+            p = Path(self.worker_api_key_file)
+            try:
+                key = p.read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"worker key file {p}: cannot read ({e.strerror})") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"worker key file {p}: not a text file") from None
+            where = f"worker key file {p}"
+        else:
+            key = (environ.get(WORKER_KEY_ENV) or "").strip()
+            if not key:
+                return None
+            where = f"${WORKER_KEY_ENV}"
+        if not key:
+            raise ConfigError(f"{where}: is empty (it must hold one key)")
+        if any(c.isspace() or not c.isprintable() or not c.isascii() for c in key):
+            raise ConfigError(f"{where}: the key must be one word of printable ASCII (no spaces or line breaks "
+                              f"inside)")
+        return key
 
     @property
     def resolved_default_class(self) -> str:
@@ -188,8 +250,12 @@ def read_file(path: str | Path, allow_list: bool = False) -> dict | list:
 
 
 _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_class", "model",
-                    "health_interval_s", "health_failures", "connect_timeout_s", "request_timeout_s",
-                    "idle_timeout_s", "record_requests", "seed"}
+                    "health_interval_s", "health_failures", "health_timeout_s", "connect_timeout_s",
+                    "request_timeout_s", "stream_idle_timeout_s", "max_body_mb", "header_timeout_s",
+                    "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",
+                    "worker_api_key_file", "record_requests", "seed"}
+#: keys renamed since: a config file using the old name gets an error naming the new one
+_RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
 _TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode"}
 
 
@@ -215,11 +281,17 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
                           f"expected {', '.join(sorted(_TOP_KEYS))}")
     cfg = DispatcherConfig()
     d = _table(data, "dispatcher", where)
+    for old, new in _RENAMED.items():
+        if old in d:
+            raise ConfigError(f"{where}: dispatcher.{old} is now called {new}")
     unknown = set(d) - _DISPATCHER_KEYS
     if unknown:
         raise ConfigError(f"{where}: dispatcher: unknown key(s) {', '.join(sorted(unknown))}")
     for k, v in d.items():
         setattr(cfg, k, v)
+    if isinstance(cfg.worker_api_key_file, str) and base is not None \
+            and not Path(cfg.worker_api_key_file).is_absolute():
+        cfg.worker_api_key_file = str((base / cfg.worker_api_key_file).resolve())
     cfg.global_params = _table(data, "global_params", where)
     gain = _table(data, "gain", where)
     try:

@@ -1,19 +1,31 @@
 """The instance registry: which workers exist, which are alive, and what the
 router knows of each.
 
-Every ``health_interval_s`` each worker's ``/health`` and ``/metrics`` are read:
+Each worker is watched by a task of its own (a slow worker does not delay the
+checks of the others). Every ``health_interval_s`` it reads the worker's:
 
-* a prefill worker's ``proserve:beta`` (its online correction, §4.1) scales the
-  dispatcher's copy of its latency model, so GoRouting's estimates (Alg. 2)
-  follow the engine's measured speed;
-* a decode worker's free KV blocks (``decode.status``) feed the decode pick
-  (Alg. 2 line 20); between polls the dispatcher subtracts the blocks of each
-  request it sends there, so a burst does not all land on one worker.
+* ``/health``, the liveness probe (``health_timeout_s``). A check fails on a
+  refused or reset connection, a non-200 answer, or a timeout -- but a timeout
+  while the worker delivered bytes on some request within the last
+  ``health_timeout_s`` before the check is not a failure (a busy worker is slow,
+  not dead: result ``timeout_progressing``). A 401 means the workers demand a
+  key the dispatcher does not have right (``worker_api_key_file``): logged as
+  an error, the worker is out at once;
+* ``/metrics``, a stats scrape only: a prefill worker's ``proserve:beta`` (its
+  online correction, §4.1) scales the dispatcher's copy of its latency model,
+  so GoRouting's estimates (Alg. 2) follow the engine's measured speed; a
+  decode worker's free KV blocks (``decode.status``) feed the decode pick
+  (Alg. 2 line 20; between scrapes the dispatcher subtracts the blocks of each
+  request it sends there, so a burst does not all land on one worker). A slow
+  or failed scrape keeps the previous stats; it is counted
+  (``proserve:dispatcher_scrape_failures``), logged at debug level, and never
+  counts against the worker's health.
 
 A worker that fails ``health_failures`` checks in a row, or whose connection
-fails during a request, leaves the candidate set, and every request in flight
-on it is told at once (:meth:`Worker.mark_down` cancels their upstream calls),
-so none waits for a timeout. It rejoins after its next good check.
+fails during a request (refused, reset, closed: not a slow answer), leaves the
+candidate set, and every request in flight on it is told at once
+(:meth:`Worker.mark_down` cancels their upstream calls), so none waits for a
+timeout. It rejoins by itself after its next good check.
 """
 
 from __future__ import annotations
@@ -33,12 +45,20 @@ from profiler import modelfile
 from scheduler.estimator import Estimator, OnlineCorrector
 from scheduler.routing.base import DecodeInstance, PrefillInstance
 
-from .config import DispatcherConfig, PrefillSpec
+from .config import WORKER_KEY_ENV, DispatcherConfig, PrefillSpec
 
 logger = logging.getLogger("proserve.dispatcher")
 
 _BETA = re.compile(r'^proserve:beta(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$', re.M)
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
+#: a /metrics page larger than this is refused (vLLM's is a few hundred kB)
+_MAX_METRICS_BYTES = 16 * 1024 * 1024
+
+
+class _ScrapeError(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -52,6 +72,8 @@ class Worker:
     model: str | None = None       # served model name, from /v1/models
     max_model_len: int | None = None
     inflight: set = field(default_factory=set, repr=False)   # asyncio tasks of upstream calls
+    last_progress: float = 0.0     # time.monotonic() when bytes of an answer last arrived from it
+    key_rejected: bool = False     # it answered 401 to the dispatcher's worker key
 
     def mark_down(self, why: str) -> None:
         if self.healthy:
@@ -98,7 +120,7 @@ class Registry:
             w = DecodeWorker("decode", s.name, s.url.rstrip("/"), kv_addr=s.kv_addr)
             w.state = DecodeInstance(j, 0, healthy=False)
             self.decode.append(w)
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     @property
     def workers(self) -> list[Worker]:
@@ -106,44 +128,108 @@ class Registry:
 
     # -- health ----------------------------------------------------------------------------
     async def check(self, w: Worker) -> bool:
+        """One liveness probe of ``w`` (and, when it passes, a stats scrape); True if it passed."""
+        started = time.monotonic()
+        result, why = await self._probe(w, started)
+        self._owner.metrics.health_checks.labels(w.name, result).inc()
+        if result == "ok":
+            if not w.healthy:
+                logger.info("%s worker %s (%s) is healthy", w.role, w.name, w.url)
+            w.healthy, w.fails, w.last_error, w.key_rejected = True, 0, "", False
+            self._sync(w)
+            await self.scrape(w)
+            return True
+        if result == "timeout_progressing":
+            # slow, not dead: it is delivering tokens; neither a failure nor a pass
+            logger.debug("%s worker %s: %s", w.role, w.name, why)
+            return w.healthy
+        if result == "unauthorized":
+            self.key_rejected(w, why)
+            return False
+        w.fails += 1
+        if w.fails >= self.cfg.health_failures or not w.healthy:
+            w.mark_down(why)
+        w.last_error = why
+        self._sync(w)
+        return False
+
+    async def _probe(self, w: Worker, started: float) -> tuple[str, str]:
+        """(result, why): ok, timeout_progressing, timeout, refused, bad_status, unauthorized, bad_answer."""
         http = self._owner.http
-        timeout = aiohttp.ClientTimeout(total=max(2.0, self.cfg.health_interval_s))
+        timeout = aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)
+        path = "/health"
         try:
-            async with http.get(w.url + "/health", timeout=timeout) as r:
+            async with http.get(w.url + path, timeout=timeout) as r:
+                status = r.status
+                await r.read()
+            if status == 200 and w.model is None:
+                path = "/v1/models"
+                async with http.get(w.url + path, timeout=timeout) as r:
+                    status = r.status
+                    data = await r.json(content_type=None) if status == 200 else None
+                if status == 200:
+                    model = data["data"][0]
+                    name, max_len = model["id"], model.get("max_model_len")
+                    if not isinstance(name, str) or not name:
+                        raise ValueError(f"model id {name!r}")
+                    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)
+                                                or max_len < 1):
+                        raise ValueError(f"max_model_len {max_len!r}")
+                    w.model, w.max_model_len = name, max_len
+        except asyncio.TimeoutError:   # aiohttp's connect and read timeouts are TimeoutErrors too
+            if w.last_progress >= started - self.cfg.health_timeout_s:
+                return "timeout_progressing", (f"{path} did not answer within {self.cfg.health_timeout_s:g} s, "
+                                               f"but its requests are progressing")
+            return "timeout", f"health check failed: {path} did not answer within {self.cfg.health_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as e:
+            return "refused", f"health check failed: {path}: {type(e).__name__}: {e}"
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            return "bad_answer", f"health check failed: {path}: bad answer: {type(e).__name__}: {e}"
+        if status == 401:
+            return "unauthorized", f"{path} answered 401: the worker rejected the dispatcher's worker key"
+        if status != 200:
+            return "bad_status", f"health check failed: {path} answered {status}"
+        return "ok", ""
+
+    async def scrape(self, w: Worker) -> bool:
+        """Read ``w``'s /metrics into the router's view; on any failure keep the previous
+        stats (counted and logged at debug level, never a health failure)."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)
+        try:
+            async with self._owner.http.get(w.url + "/metrics", timeout=timeout) as r:
                 if r.status != 200:
-                    raise OSError(f"/health answered {r.status}")
-            if w.model is None:
-                async with http.get(w.url + "/v1/models", timeout=timeout) as r:
-                    data = (await r.json(content_type=None))["data"][0]
-                w.model = data["id"]
-                w.max_model_len = data.get("max_model_len")
-            async with http.get(w.url + "/metrics", timeout=timeout) as r:
-                text = await r.text()
+                    raise _ScrapeError("bad_status", f"HTTP {r.status}")
+                parts, size = [], 0
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > _MAX_METRICS_BYTES:
+                        raise _ScrapeError("bad_answer", f"over {_MAX_METRICS_BYTES} bytes")
+                    parts.append(chunk)
+            text = b"".join(parts).decode("utf-8", "replace")
             if isinstance(w, PrefillWorker):
                 m = _BETA.search(text)
-                if m:
-                    beta = float(m.group(1))
-                    if math.isfinite(beta) and beta > 0:
-                        w.state.estimator.corrector.beta = beta
+                beta = float(m.group(1)) if m else None
+                if beta is not None and math.isfinite(beta) and beta > 0:
+                    w.state.estimator.corrector.beta = beta
             elif isinstance(w, DecodeWorker):
-                w.state.free_blocks = free_kv_blocks(text)
+                free = free_kv_blocks(text)
                 m = _BLOCK_SIZE.search(text)
-                if m:
-                    w.block_size = int(m.group(1))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError,
-                TypeError, StatusError) as e:
-            w.fails += 1
-            why = f"health check failed: {type(e).__name__}: {e}"
-            if w.fails >= self.cfg.health_failures or not w.healthy:
-                w.mark_down(why)
-            w.last_error = why
-            self._sync(w)
-            return False
-        if not w.healthy:
-            logger.info("%s worker %s (%s) is healthy", w.role, w.name, w.url)
-        w.healthy, w.fails, w.last_error = True, 0, ""
-        self._sync(w)
-        return True
+                block_size = int(m.group(1)) if m else w.block_size
+                w.state.free_blocks = free
+                if block_size > 0:
+                    w.block_size = block_size
+            return True
+        except _ScrapeError as e:
+            reason, why = e.reason, str(e)
+        except asyncio.TimeoutError:
+            reason, why = "timeout", f"no answer within {self.cfg.health_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as e:
+            reason, why = "error", f"{type(e).__name__}: {e}"
+        except (ValueError, StatusError) as e:
+            reason, why = "bad_answer", f"{type(e).__name__}: {e}"
+        self._owner.metrics.scrape_failures.labels(w.name, reason).inc()
+        logger.debug("%s worker %s: /metrics scrape failed (%s), keeping the previous stats", w.role, w.name, why)
+        return False
 
     @staticmethod
     def _sync(w: Worker) -> None:
@@ -152,24 +238,27 @@ class Registry:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))
 
-    async def _loop(self) -> None:
+    async def _watch(self, w: Worker) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             try:
-                await self.check_all()
-            except Exception:  # never let the health loop die
-                logger.exception("health check loop")
+                await self.check(w)
+            except Exception:  # never let a health loop die
+                logger.exception("health check of %s", w.name)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch(w)) for w in self.workers]
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             try:
-                await self._task
+                await t
             except asyncio.CancelledError:
                 pass
+        self._tasks = []
 
     async def wait_ready(self, timeout: float) -> bool:
         """Until every worker answered once (or ``timeout``); True if all are healthy."""
@@ -185,6 +274,16 @@ class Registry:
         w.fails = max(w.fails, self.cfg.health_failures)
         w.mark_down(why)
         self._sync(w)
+
+    def key_rejected(self, w: Worker, why: str) -> None:
+        """``w`` answered 401 to the dispatcher: a configuration error (the worker key),
+        not the client's. Logged loudly; the worker is out until a check passes."""
+        if not w.key_rejected:
+            logger.error("%s worker %s (%s) rejects the dispatcher's worker key (%s): give the dispatcher the "
+                         "workers' key (--worker-key-file, dispatcher.worker_api_key_file or $%s)",
+                         w.role, w.name, w.url, why, WORKER_KEY_ENV)
+        w.key_rejected = True
+        self.failed(w, "the worker rejected the dispatcher's worker key (HTTP 401)")
 
     # -- views -----------------------------------------------------------------------------
     def live_prefill(self, exclude: set[str] = frozenset()) -> list[PrefillWorker]:

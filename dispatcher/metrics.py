@@ -8,6 +8,14 @@ non-streamed response delivers all its tokens at once, and is scored so).
 Per instance: routing decisions, the PrefillQueueMap length, β, free KV
 blocks, health. Routing decision time, and GoRouting's branch (Alg. 2 lines
 13/15/17/19) per decision.
+
+Hardening: requests refused before routing by reason (``rejected``: auth,
+body_too_large, body_timeout, header_timeout, overloaded, client_overloaded,
+bad_json), timeouts by kind (header, body, stream_idle, request), health
+checks per instance by result (ok, timeout_progressing, timeout, refused,
+bad_status, unauthorized, bad_answer), failed /metrics scrapes, KV fallbacks
+(decode legs sent without the pushed KV), the stream queues' back-pressure
+waits and high-water mark, requests a client abandoned (upstream cancelled).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("proserve:dispatcher_requests", "Requests that ended, by class and outcome "
-                                "(ok, client_error, auth_error, upstream_error, timeout, cancelled)",
+                                "(ok, client_error, auth_error, rejected (429), upstream_error, timeout, "
+                                "cancelled (the client went away), internal_error)",
                                 ["priority", "outcome"], registry=r)
         self.retries = Counter("proserve:dispatcher_retries", "Requests retried on another instance",
                                ["role"], registry=r)
@@ -53,6 +62,28 @@ class Metrics:
                                  "instance (last poll, minus dispatched since)", ["instance"], registry=r)
         self.healthy = Gauge("proserve:dispatcher_instance_healthy", "1 if the instance is in the candidate set",
                              ["role", "instance"], registry=r)
+        self.rejected = Counter("proserve:dispatcher_rejected", "Requests refused before routing, by reason "
+                                "(auth 401, body_too_large 413, body_timeout 408, header_timeout (connection "
+                                "closed), overloaded / client_overloaded 429, bad_json 400: unparsable body)",
+                                ["reason"], registry=r)
+        self.timeouts = Counter("proserve:dispatcher_timeouts", "Timeouts by kind: header, body (client side); "
+                                "stream_idle, request (towards the workers)", ["kind"], registry=r)
+        self.health_checks = Counter("proserve:dispatcher_health_checks", "Health checks by result: ok, "
+                                     "timeout_progressing (slow /health while requests progress: not a failure), "
+                                     "timeout, refused, bad_status, unauthorized, bad_answer",
+                                     ["instance", "result"], registry=r)
+        self.scrape_failures = Counter("proserve:dispatcher_scrape_failures", "Failed /metrics scrapes (the "
+                                       "previous stats are kept; never a health failure)", ["instance", "reason"],
+                                       registry=r)
+        self.kv_fallbacks = Counter("proserve:dispatcher_kv_fallbacks", "Decode legs sent without the KV "
+                                    "because the prefill worker reported a failed push (the decode worker "
+                                    "recomputes the prompt)", ["decode", "reason"], registry=r)
+        self.backpressure = Counter("proserve:dispatcher_stream_backpressure", "Times an upstream stream's "
+                                    "read waited for the client (its queue was full)", registry=r)
+        self.queue_peak = Gauge("proserve:dispatcher_stream_queue_peak_events", "Most events any stream's "
+                                "queue held at once since start (bounded by stream_queue_events)", registry=r)
+        #: the high-water mark itself, a plain int (updated per event; exported on render)
+        self.stream_queue_peak = 0
 
     def render(self, registry) -> bytes:
         for w in registry.prefill:
@@ -62,4 +93,5 @@ class Metrics:
         for w in registry.decode:
             self.free_blocks.labels(w.name).set(w.state.free_blocks)
             self.healthy.labels(w.role, w.name).set(1 if w.healthy else 0)
+        self.queue_peak.set(self.stream_queue_peak)
         return generate_latest(self.registry)

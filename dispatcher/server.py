@@ -19,12 +19,34 @@ One request, disaggregated (§4.3):
 Co-located deployment: one leg, the whole request on the chosen instance; the
 first streamed token is its completion signal.
 
-Failures: a 4xx from a worker is the client's error and is passed on as is.
-A worker that refuses or drops the connection, answers 5xx, or goes silent
-leaves the candidate set; the request is retried once on other instances when
-nothing has been sent to the client yet, else it ends with an error (an SSE
-``error`` event for streams). Every request that enters ends with a response
-or an error.
+Failures: a 4xx from a worker is the client's error and is passed on as is
+(but a 401 means the workers reject the dispatcher's own worker key: a
+configuration error, logged loudly; the worker leaves the candidate set and
+the client gets a 502/503 saying so). A worker that refuses, resets or closes
+the connection, or answers 5xx, leaves the candidate set at once and every
+request in flight on it is cancelled. A *slow* worker is not a dead one: a
+stream silent for ``stream_idle_timeout_s`` (default 60 s) ends that request
+only (504), an unstreamed request has only the total ``request_timeout_s``
+(default 600 s), and the worker stays in the set. A failed request is retried
+once on other instances (with a fresh KV transfer id) when nothing has been
+sent to the client yet, else it ends with an error (an SSE ``error`` event for
+streams). When the prefill worker reports that its KV push failed
+(``kv_transfer_params.error``), the decode leg is sent without the KV (the
+decode worker recomputes the prompt), to another decode worker when the chosen
+one was at fault. A client that goes away cancels its request upstream. Every
+request that enters ends with a response or an error, and every error is an
+OpenAI-style JSON object.
+
+Limits on clients (all in :class:`~dispatcher.config.DispatcherConfig`): the
+API key is checked from the headers before the body is read; the body is read
+up to ``max_body_mb`` (413 at once when Content-Length says more, or as soon as
+a chunked body passes it) within ``body_timeout_s`` (408); the request headers
+must arrive within ``header_timeout_s`` (else the connection is closed:
+:mod:`dispatcher.http_protocol`); at most ``max_concurrent`` requests overall and
+``max_concurrent_per_key`` per client are admitted at once (429 with
+``Retry-After``: :mod:`dispatcher.limits`). Each stream buffers at most
+``stream_queue_events`` events: a slow client slows the read from the worker
+(TCP back-pressure) instead of growing the dispatcher's memory.
 """
 
 from __future__ import annotations
@@ -38,8 +60,11 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import aiohttp
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from scheduler.registry import make_global
 from scheduler.routing.base import COLOCATED, PrefillQueueMap
@@ -47,20 +72,43 @@ from scheduler.tdg import slo_attained
 
 from .auth import Authorizer
 from .config import DispatcherConfig, KeyEntry
-from .errors import ApiError, UpstreamError
+from .errors import ApiError, UpstreamError, error_body
+from .http_protocol import http_protocol
 from .instances import DecodeWorker, PrefillWorker, Registry, Worker
+from .limits import ConcurrencyLimiter
 from .metrics import Metrics
-from .requests import (CHAT, COMPLETIONS, Job, check_context, make_job, prefill_body, scheduler_request,
-                       serve_body)
+from .requests import (
+    CHAT,
+    COMPLETIONS,
+    Job,
+    check_context,
+    make_job,
+    prefill_body,
+    scheduler_request,
+    serve_body,
+)
 
 logger = logging.getLogger("proserve.dispatcher")
 
-#: the worker refused, dropped or broke the connection: it leaves the candidate set at once
+#: the worker refused, dropped or broke the connection: it leaves the candidate set at once.
+#: (aiohttp's read timeouts are ClientConnectionErrors too: _guarded catches them first.)
 _CONN_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+#: an error answered before the rest of a body this large was read closes the connection
+#: (smaller remainders are read and dropped by uvicorn, and the connection is kept)
+_DRAIN_LIMIT = 64 * 1024
+_WORKER_KEY_REJECTED = "the worker rejected the dispatcher's worker key (HTTP 401)"
 
 
 class _Sent(Exception):
     """Internal: the failure happened after tokens reached the client (no retry)."""
+
+    def __init__(self, error: UpstreamError):
+        super().__init__(str(error))
+        self.timeout = error.timeout
+
+
+class _ClientGone(Exception):
+    """Internal: the client disconnected while its request was running."""
 
 
 class Dispatcher:
@@ -75,16 +123,24 @@ class Dispatcher:
                                   deployment=cfg.deployment, seed=cfg.seed, **cfg.global_params)
         self.qmap = PrefillQueueMap([w.state for w in self.registry.prefill])
         self.metrics = Metrics()
+        self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)
+        self.worker_key = cfg.worker_api_key()   # ConfigError naming the file when unreadable/empty
         self._record = open(cfg.record_requests, "a", buffering=1) if cfg.record_requests else None
         self._tokenize_rr = 0
+        # per-call timeouts: streams may go silent for stream_idle_timeout_s between events;
+        # an unstreamed answer (a whole generation) has only the request's total timeout
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s,
+                                                     sock_read=cfg.stream_idle_timeout_s)
+        self._unary_timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 0.0) -> None:
         # aiohttp rather than httpx upstream: measured 2-3x less CPU per proxied stream here
+        # the worker key goes with every upstream call (legs, /tokenize, /health, /metrics, /v1/models)
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
-                                          sock_read=self.cfg.idle_timeout_s))
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s),
+            headers={"Authorization": f"Bearer {self.worker_key}"} if self.worker_key else None)
         if self.auth.open_access:
             logger.warning("no API keys configured (--keys): open access, every client may ask for any "
                            "priority class")
@@ -103,10 +159,15 @@ class Dispatcher:
             self._record.close()
             self._record = None
 
+    def header_timed_out(self) -> None:
+        """A client connection did not send its request headers within header_timeout_s
+        (the HTTP protocol closed it)."""
+        self.metrics.rejected.labels("header_timeout").inc()
+        self.metrics.timeouts.labels("header").inc()
+
     # -- admission -----------------------------------------------------------------------------
-    async def admit(self, path: str, body: Any, headers) -> Job:
-        arrival = time.time()
-        entry = self.auth.authenticate(headers)
+    async def admit(self, path: str, body: Any, entry: KeyEntry | None, arrival: float) -> Job:
+        """The checked request (``entry``: its authenticated key, from the headers)."""
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         grant = self.auth.grant(entry, body)
@@ -143,20 +204,33 @@ class Dispatcher:
         for k in range(min(2, len(live))):
             w = live[(self._tokenize_rr + k) % len(live)]
             try:
-                async with self.http.post(w.url + "/tokenize", json=body,
-                                          timeout=aiohttp.ClientTimeout(total=30)) as r:
+                async with self.http.post(w.url + "/tokenize", json=body, timeout=_TOKENIZE_TIMEOUT) as r:
                     status, content = r.status, await r.read()
+            except asyncio.TimeoutError as e:   # slow, not dead (aiohttp's read timeouts included)
+                last = f"{w.name}: {type(e).__name__}: {e}"
+                continue
             except _CONN_ERRORS as e:
                 self.registry.failed(w, f"{type(e).__name__}: {e}")
                 last = f"{w.name}: {type(e).__name__}"
                 continue
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except aiohttp.ClientError as e:
                 last = f"{w.name}: {type(e).__name__}: {e}"
                 continue
             self._tokenize_rr += 1
             if status == 200:
-                job.prompt_len = int(json.loads(content)["count"])
+                try:
+                    count = json.loads(content)["count"]
+                    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                        raise ValueError(f"count {count!r}")
+                except (ValueError, KeyError, TypeError, RecursionError) as e:
+                    last = f"{w.name}: bad /tokenize answer: {type(e).__name__}: {e}"
+                    continue
+                job.prompt_len = count
                 return
+            if status == 401:
+                self.registry.key_rejected(w, "/tokenize answered 401")
+                last = f"{w.name}: {_WORKER_KEY_REJECTED}"
+                continue
             msg = _error_message_bytes(content)
             if 400 <= status < 500:
                 raise ApiError(400, f"cannot tokenize the {'messages' if job.is_chat else 'prompt'}: {msg}"
@@ -167,17 +241,24 @@ class Dispatcher:
         raise ApiError(502, f"could not count the prompt's tokens: {last}")
 
     # -- routing ---------------------------------------------------------------------------------
+    def _no_instance(self, role: str, bad: set[str]) -> ApiError:
+        msg = f"no healthy {role} instance"
+        if bad:
+            msg += f" (failed for this request: {', '.join(sorted(bad))})"
+        pool = self.registry.prefill if role == "prefill" else self.registry.decode
+        if any(w.key_rejected for w in pool):
+            msg += "; the workers reject the dispatcher's worker key (a configuration error)"
+        return ApiError(503, msg)
+
     def _route(self, job: Job, bad: set[str]) -> tuple[PrefillWorker, DecodeWorker | None]:
         ps = self.registry.live_prefill(bad)
         if not ps:
-            raise ApiError(503, "no healthy prefill instance" + (f" (failed for this request: "
-                                                                  f"{', '.join(sorted(bad))})" if bad else ""))
+            raise self._no_instance("prefill", bad)
         ds: list[DecodeWorker] = []
         if not self.colocated:
             ds = self.registry.live_decode(bad)
             if not ds:
-                raise ApiError(503, "no healthy decode instance" + (f" (failed for this request: "
-                                                                     f"{', '.join(sorted(bad))})" if bad else ""))
+                raise self._no_instance("decode", bad)
         now = time.time()
         t0 = time.perf_counter()
         p_state, d_state = self.policy.route(job.sreq, [w.state for w in ps], [w.state for w in ds], now)
@@ -191,17 +272,23 @@ class Dispatcher:
         d = None
         if d_state is not None:
             d = next(w for w in ds if w.state is d_state)
-            # blocks this request will hold there, until the next poll says otherwise
-            need = math.ceil((job.prompt_len + (job.max_tokens or 16)) / max(1, d.block_size))
-            d_state.free_blocks = max(0, d_state.free_blocks - need)
-            self.metrics.routed.labels("decode", d.name).inc()
+            self._reserve_blocks(job, d)
         return p, d
+
+    def _reserve_blocks(self, job: Job, d: DecodeWorker) -> None:
+        """The blocks this request will hold on ``d``, until the next scrape says otherwise."""
+        need = math.ceil((job.prompt_len + (job.max_tokens or 16)) / max(1, d.block_size))
+        d.state.free_blocks = max(0, d.state.free_blocks - need)
+        self.metrics.routed.labels("decode", d.name).inc()
 
     def _prefill_done(self, job: Job, p: PrefillWorker) -> None:
         self.qmap.remove(p.state.id, job.sreq, time.time())   # a no-op once it is out
 
     # -- upstream calls, cancellable when the worker goes down -------------------------------------
-    async def _guarded(self, w: Worker, coro):
+    async def _guarded(self, w: Worker, coro, what: str):
+        """Run an upstream call of ``w`` as a task registered with it (so that ``w`` going
+        down cancels it) and turn its failures into :class:`UpstreamError`: a broken
+        connection takes ``w`` out; a timeout (``what`` says which) does not."""
         task = asyncio.ensure_future(coro)
         w.inflight.add(task)
         try:
@@ -212,52 +299,76 @@ class Dispatcher:
                 task.cancel()
                 raise
             raise UpstreamError(w.name, f"worker went down ({w.last_error})") from None
+        except aiohttp.ConnectionTimeoutError as e:    # cannot even connect: as good as refused
+            self.registry.failed(w, f"{type(e).__name__}: {e}")
+            raise UpstreamError(w.name, f"connection failed: {type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:                   # slow, not dead: w stays in the set
+            self.metrics.timeouts.labels(what).inc()
+            limit = self.cfg.stream_idle_timeout_s if what == "stream_idle" else self.cfg.request_timeout_s
+            raise UpstreamError(w.name, f"no answer within {limit:g} s ({what.replace('_', ' ')} timeout)",
+                                timeout=True) from None
         except _CONN_ERRORS as e:
             self.registry.failed(w, f"{type(e).__name__}: {e}")
             raise UpstreamError(w.name, f"connection failed: {type(e).__name__}: {e}") from None
-        except asyncio.TimeoutError as e:
-            raise UpstreamError(w.name, f"no answer within {self.cfg.idle_timeout_s:g} s "
-                                        f"({type(e).__name__})") from None
         finally:
             w.inflight.discard(task)
 
     async def _post_json(self, w: Worker, path: str, body: dict) -> dict:
         async def call():
-            async with self.http.post(w.url + path, json=body) as r:
+            async with self.http.post(w.url + path, json=body, timeout=self._unary_timeout) as r:
                 return r.status, await r.read()
-        status, content = await self._guarded(w, call())
-        if status == 200:
-            return json.loads(content)
-        raise _http_error(w, status, content)
+        status, content = await self._guarded(w, call(), "request")
+        w.last_progress = time.monotonic()
+        if status != 200:
+            raise _http_error(w, status, content)
+        try:
+            out = json.loads(content)
+        except (ValueError, RecursionError) as e:
+            raise UpstreamError(w.name, f"bad answer: not JSON ({type(e).__name__})") from None
+        if not isinstance(out, dict):
+            raise UpstreamError(w.name, f"bad answer: a JSON {type(out).__name__}, not an object")
+        return out
 
     async def _stream(self, w: Worker, path: str, body: dict) -> AsyncIterator[dict]:
         """Parsed SSE events of a streamed upstream response. The read runs in a task of
         its own, registered with the worker, so that the worker going down ends the
-        stream at once with an :class:`UpstreamError`."""
-        queue: asyncio.Queue = asyncio.Queue()
+        stream at once with an :class:`UpstreamError`. The task hands events over in a
+        queue of at most ``stream_queue_events``: when the client reads slower than the
+        worker writes, the task waits, stops reading the socket, and TCP slows the worker."""
+        queue: asyncio.Queue = asyncio.Queue(self.cfg.stream_queue_events)
         END = object()
+        metrics = self.metrics
+        monotonic = time.monotonic
 
         async def pump():
-            async with self.http.post(w.url + path, json=body) as r:
+            async with self.http.post(w.url + path, json=body, timeout=self._stream_timeout) as r:
                 if r.status != 200:
-                    queue.put_nowait(_http_error(w, r.status, await r.read()))
-                    return
+                    raise _http_error(w, r.status, await r.read())
                 async for line in r.content:
+                    w.last_progress = monotonic()
                     if line.startswith(b"data:"):
                         data = line[5:].strip()
                         if data == b"[DONE]":
                             break
-                        queue.put_nowait(json.loads(data))
-            queue.put_nowait(END)
+                        item = json.loads(data)
+                        if not isinstance(item, dict):
+                            raise ValueError(f"an event is a JSON {type(item).__name__}, not an object")
+                        if queue.full():
+                            metrics.backpressure.inc()
+                        await queue.put(item)
+                        n = queue.qsize()
+                        if n > metrics.stream_queue_peak:
+                            metrics.stream_queue_peak = n
+            await queue.put(END)
 
         async def runner():
             try:
-                await self._guarded(w, pump())
+                await self._guarded(w, pump(), "stream_idle")
             except asyncio.CancelledError:
                 raise
             except Exception as e:   # UpstreamError, or a malformed event
-                queue.put_nowait(e if isinstance(e, (UpstreamError, ApiError))
-                                 else UpstreamError(w.name, f"bad stream: {type(e).__name__}: {e}"))
+                await queue.put(e if isinstance(e, (UpstreamError, ApiError))
+                                else UpstreamError(w.name, f"bad stream: {type(e).__name__}: {e}"))
 
         task = asyncio.ensure_future(runner())
         try:
@@ -271,9 +382,9 @@ class Dispatcher:
                     # vLLM reports errors after the 200 as an error event
                     err = item["error"] if isinstance(item["error"], dict) else {"message": str(item["error"])}
                     code = err.get("code")
-                    if isinstance(code, int) and 400 <= code < 500:
+                    if isinstance(code, int) and 400 <= code < 500 and code != 401:
                         raise ApiError(code, str(err.get("message")))
-                    raise UpstreamError(w.name, f"error event: {err.get('message')}")
+                    raise UpstreamError(w.name, f"error event: {err.get('message')}", code)
                 yield item
         finally:
             if not task.done():
@@ -284,29 +395,60 @@ class Dispatcher:
                     pass
 
     # -- one request, end to end -------------------------------------------------------------------
-    async def _prefill_leg(self, job: Job, p: PrefillWorker, d: DecodeWorker) -> None:
-        xfer = {"do_remote_decode": True, "xfer_id": job.id, "remote_addr": d.kv_addr}
+    async def _prefill_leg(self, job: Job, p: PrefillWorker, d: DecodeWorker, xfer_id: str) -> dict | None:
+        """Run the prefill leg; None when the KV push went well, else what the prefill worker
+        reported: ``{"error": message, "failed_dest": kv_addr or None}``."""
+        xfer = {"do_remote_decode": True, "xfer_id": xfer_id, "remote_addr": d.kv_addr}
         try:
-            await self._post_json(p, job.path, prefill_body(job, xfer))
+            out = await self._post_json(p, job.path, prefill_body(job, xfer))
         finally:
             self._prefill_done(job, p)   # the asynchronous completion signal (§4.3)
+        kv = out.get("kv_transfer_params")
+        if not isinstance(kv, dict) or not kv.get("error"):
+            return None
+        dest = kv.get("kv_failed_dest")
+        return {"error": str(kv["error"])[:500], "failed_dest": dest if isinstance(dest, str) else None}
+
+    def _kv_fallback(self, job: Job, d: DecodeWorker, failure: dict, bad: set[str]) -> DecodeWorker:
+        """The prefill worker could not push the KV to ``d``: the decode leg goes without it
+        (the decode worker computes the prompt itself); to another live decode worker when
+        ``d`` itself was at fault and there is one, else to ``d``."""
+        target, reason = d, "push_failed"
+        if failure["failed_dest"] is not None and failure["failed_dest"] == d.kv_addr:
+            reason = "dest_failed"
+            others = self.registry.live_decode(bad | {d.name})
+            if others:
+                target = max(others, key=lambda w: w.state.free_blocks)
+                self._reserve_blocks(job, target)
+        self.metrics.kv_fallbacks.labels(d.name, reason).inc()
+        logger.warning("request %s: the KV push to decode worker %s failed (%s: %s); decode leg without KV "
+                       "on %s, which computes the prompt itself", job.id, d.name, reason, failure["error"],
+                       target.name)
+        job.record.update(decode=target.name, kv_fallback=reason)
+        return target
 
     async def events(self, job: Job) -> AsyncIterator[tuple[float, dict]]:
         """(time, chunk) of what the client gets, with one retry on other instances while
         nothing has been sent. Raises ApiError for the client, _Sent after tokens went out."""
         bad: set[str] = set()
         errors: list[str] = []
+        timed_out = False
         for attempt in range(2):
             p, d = self._route(job, bad)
-            job.record.update(prefill=p.name, decode=d.name if d else None, attempts=attempt + 1)
+            # a fresh KV transfer id per attempt: the workers key their transfer state by it,
+            # and a late outcome of the first attempt must not touch the second's
+            xfer_id = f"{job.id}-{attempt}"
+            job.record.update(prefill=p.name, decode=d.name if d else None, attempts=attempt + 1, xfer_id=xfer_id)
             sent = decoding = False
             leg: Worker = p
             try:
+                xfer = None
                 if d is not None:
-                    await self._prefill_leg(job, p, d)
-                    leg, xfer = d, {"do_remote_prefill": True, "xfer_id": job.id}
-                else:
-                    xfer = None
+                    failure = await self._prefill_leg(job, p, d, xfer_id)
+                    if failure is None:
+                        leg, xfer = d, {"do_remote_prefill": True, "xfer_id": xfer_id}
+                    else:
+                        leg = self._kv_fallback(job, d, failure, bad)
                 if job.stream:
                     async for chunk in self._stream(leg, job.path, serve_body(job, xfer, True)):
                         if d is None and not sent:
@@ -323,10 +465,13 @@ class Dispatcher:
                     yield time.time(), out
                 return
             except UpstreamError as e:
+                if e.status == 401:
+                    self.registry.key_rejected(leg, str(e))
                 bad.add(leg.name)
                 errors.append(str(e))
+                timed_out = e.timeout
                 if sent:
-                    raise _Sent(str(e)) from None
+                    raise _Sent(e) from None
                 if attempt == 0:
                     self.metrics.retries.labels(leg.role).inc()
                     logger.warning("request %s: %s; retrying on other instances", job.id, e)
@@ -334,7 +479,7 @@ class Dispatcher:
                 self._prefill_done(job, p)
                 if decoding:
                     self.qmap.decode_finished(p.state.id)
-        raise ApiError(502, "the request failed on two instances: " + " | ".join(errors))
+        raise ApiError(504 if timed_out else 502, "the request failed on two instances: " + " | ".join(errors))
 
     # -- accounting ------------------------------------------------------------------------------
     def finish(self, job: Job, outcome: str, error: str | None = None) -> None:
@@ -375,10 +520,13 @@ class Dispatcher:
         job.sreq.token_times.extend([t] * n)
 
 
+_TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
 def _error_message_bytes(content: bytes) -> str:
     try:
         data = json.loads(content)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return content[:500].decode("utf-8", "replace")
     if isinstance(data, dict):
         err = data.get("error", data)
@@ -389,7 +537,10 @@ def _error_message_bytes(content: bytes) -> str:
 
 
 def _http_error(w: Worker, status: int, content: bytes) -> Exception:
-    """A worker's 4xx is the client's error, passed on; anything else is the worker's."""
+    """A worker's 4xx is the client's error, passed on; anything else is the worker's. A 401
+    is the worker refusing the dispatcher's own key: the worker's (configuration) error."""
+    if status == 401:
+        return UpstreamError(w.name, _WORKER_KEY_REJECTED, status)
     msg = _error_message_bytes(content)
     if 400 <= status < 500:
         return ApiError(status, msg)
@@ -397,6 +548,52 @@ def _http_error(w: Worker, status: int, content: bytes) -> Exception:
 
 
 # -- the HTTP app ------------------------------------------------------------------------------------
+def uvicorn_config(dispatcher: Dispatcher, app, http_impl: str = "auto", **kw) -> uvicorn.Config:
+    """uvicorn's config for ``app`` (from :func:`create_app`): the dispatcher's host and port
+    and the HTTP protocol with its header timeout (``http_impl``: auto, httptools or h11);
+    ``kw`` adds to or overrides uvicorn's options (``python -m dispatcher`` and the tests
+    both start the server through this)."""
+    d = dispatcher
+    opts = dict(host=d.cfg.host, port=d.cfg.port, access_log=False, lifespan="on",
+                http=http_protocol(d.cfg.header_timeout_s, d.header_timed_out, http_impl))
+    opts.update(kw)
+    return uvicorn.Config(app, **opts)
+
+
+def _body_left(headers) -> bool:
+    """Whether an answer sent now, before reading the body, should close the connection:
+    the body still to come may be large (uvicorn reads and drops small remainders)."""
+    cl = headers.get("content-length")
+    if cl is None:
+        return headers.get("transfer-encoding") is not None   # chunked: of unknown size
+    try:
+        return int(cl) > _DRAIN_LIMIT
+    except ValueError:
+        return True
+
+
+async def _client_gone(receive) -> None:
+    """Returns when the client disconnects (the body was read: nothing else can come)."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however it ends (Starlette may stop
+    iterating the body without closing it when the client goes away, or never start)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
 def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
     """The FastAPI app serving ``dispatcher``; its lifespan starts and stops the health checks."""
 
@@ -408,63 +605,201 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
         finally:
             await dispatcher.close()
 
-    app = FastAPI(title="ProServe dispatcher", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ProServe dispatcher", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     D = dispatcher
+    M = D.metrics
+    max_body = D.cfg.max_body_bytes
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e: ApiError, close: bool = False) -> JSONResponse:
+        headers = dict(e.headers) if e.headers else {}
+        if close:
+            headers["connection"] = "close"
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException):
+        # unknown route (404), wrong method (405): the OpenAI error format too
+        msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(exc.status_code, msg), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__})"), status_code=500)
+
+    async def read_body(request: Request) -> bytes:
+        """The request body: 413 over ``max_body_mb`` (before reading a byte when the
+        Content-Length says so), 408 when it has not all arrived within ``body_timeout_s``."""
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                raise ApiError(400, f"bad Content-Length {cl[:40]!r}") from None
+            if n > max_body:
+                M.rejected.labels("body_too_large").inc()
+                raise _too_large()
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(D.cfg.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body:
+                        M.rejected.labels("body_too_large").inc()
+                        raise _too_large()
+                    parts.append(chunk)
+        except TimeoutError:
+            M.rejected.labels("body_timeout").inc()
+            M.timeouts.labels("body").inc()
+            raise ApiError(408, f"the request body did not arrive within {D.cfg.body_timeout_s:g} s "
+                                f"({size} bytes came)", code="body_timeout") from None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _too_large() -> ApiError:
+        return ApiError(413, f"the request body is larger than the limit of {D.cfg.max_body_mb:g} MB",
+                        code="body_too_large")
+
+    def parse_json(raw: bytes) -> Any:
+        try:
+            return json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
+        except ValueError as e:   # UnicodeDecodeError included
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def first_event(request: Request, agen, deadline: float):
+        """The first (time, chunk) of ``agen`` (the whole answer, unstreamed), while watching for
+        the client going away (_ClientGone: the upstream call is cancelled) and the deadline."""
+        nxt = asyncio.ensure_future(agen.__anext__())
+        gone = asyncio.ensure_future(_client_gone(request.receive))
+        try:
+            done, _ = await asyncio.wait((nxt, gone), timeout=deadline - asyncio.get_running_loop().time(),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:   # cancelled ourselves
+            nxt.cancel()
+            gone.cancel()
+            raise
+        gone.cancel()
+        if nxt in done:
+            return nxt.result()
+        nxt.cancel()
+        await asyncio.wait((nxt,))       # until the upstream call is closed
+        if not nxt.cancelled():
+            nxt.exception()              # retrieved: it ended some other way while cancelled
+        if gone in done:
+            raise _ClientGone()
+        raise TimeoutError
 
     async def serve(request: Request, path: str):
+        arrival = time.time()
+        headers = request.headers
+        # 1. the key, from the headers alone; 2. a slot (429 over the limits)
         try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            job = await D.admit(path, body, request.headers)
+            entry = D.auth.authenticate(headers)
+            slot = D.limiter.acquire(entry.client if entry else None)
         except ApiError as e:
-            outcome = "auth_error" if e.status in (401, 403) else "client_error"
-            D.metrics.requests.labels("-", outcome).inc()
-            return error(e)
-        D.metrics.in_flight.inc()
-        deadline = asyncio.get_running_loop().time() + D.cfg.request_timeout_s
-        agen = D.events(job)
+            if e.status == 401:
+                M.rejected.labels("auth").inc()
+                M.requests.labels("-", "auth_error").inc()
+            else:
+                M.rejected.labels("client_overloaded" if e.code == "too_many_concurrent_requests_for_key"
+                                  else "overloaded").inc()
+                M.requests.labels("-", "rejected").inc()
+            return error(e, close=_body_left(headers))
         handed_over = False
         try:
-            # run until the first chunk (or the whole unstreamed response), so that errors
-            # found before anything is sent get a proper HTTP status
-            async with asyncio.timeout_at(deadline):
-                t, first = await agen.__anext__()
-            D.count_tokens(job, t, first)
-            if not job.stream:
-                _strip(job, first)
-                D.finish(job, "ok")
-                return JSONResponse(first, headers={"x-request-id": job.id})
-            handed_over = True
-            return StreamingResponse(_sse(job, agen, first, deadline), media_type="text/event-stream",
-                                     headers={"x-request-id": job.id})
-        except StopAsyncIteration:
-            D.finish(job, "upstream_error", "empty response")
-            return error(ApiError(502, "the worker sent no response"))
-        except ApiError as e:
-            D.finish(job, "client_error" if e.status < 500 else "upstream_error", e.message)
-            return error(e)
-        except (_Sent, UpstreamError) as e:
-            D.finish(job, "upstream_error", str(e))
-            return error(ApiError(502, str(e)))
-        except TimeoutError:
-            msg = f"no response within {D.cfg.request_timeout_s:g} s"
-            D.finish(job, "timeout", msg)
-            return error(ApiError(504, msg))
-        except asyncio.CancelledError:
-            D.finish(job, "cancelled", "client went away")
-            raise
+            # 3. the body (size and time limits), then the request itself
+            body_read = False
+            try:
+                raw = await read_body(request)
+                body_read = True
+                try:
+                    body = parse_json(raw)
+                except ApiError:
+                    M.rejected.labels("bad_json").inc()
+                    raise
+                job = await D.admit(path, body, entry, arrival)
+            except ApiError as e:
+                M.requests.labels("-", "auth_error" if e.status in (401, 403) else "client_error").inc()
+                return error(e, close=not body_read)
+            except ClientDisconnect:
+                M.requests.labels("-", "cancelled").inc()
+                return Response(status_code=499)   # nobody reads it (nginx's "client closed request")
+            except Exception:
+                logger.exception("unexpected error admitting a request to %s", path)
+                M.requests.labels("-", "internal_error").inc()
+                return error(ApiError(500, "internal error while checking the request"), close=not body_read)
+            # 4. run it: every exit below goes through end() exactly once
+            M.in_flight.inc()
+            ended = False
+
+            def end(outcome: str, err: str | None = None) -> None:
+                nonlocal ended
+                if not ended:
+                    ended = True
+                    D.finish(job, outcome, err)
+                    M.in_flight.dec()
+                    slot.release()
+
+            deadline = asyncio.get_running_loop().time() + D.cfg.request_timeout_s
+            agen = D.events(job)
+            try:
+                # until the first chunk (or the whole unstreamed response), so that errors
+                # found before anything is sent get a proper HTTP status
+                t, first = await first_event(request, agen, deadline)
+                D.count_tokens(job, t, first)
+                if not job.stream:
+                    _strip(job, first)
+                    end("ok")
+                    return JSONResponse(first, headers={"x-request-id": job.id})
+                gen = _sse(job, agen, first, deadline, end)
+
+                async def on_close():
+                    await gen.aclose()      # runs _sse's cleanup if Starlette left it suspended
+                    await agen.aclose()
+                    end("cancelled", "client went away")   # a no-op unless _sse never ran
+                handed_over = True
+                return _EventStream(gen, on_close, media_type="text/event-stream",
+                                    headers={"x-request-id": job.id})
+            except StopAsyncIteration:
+                end("upstream_error", "empty response")
+                return error(ApiError(502, "the worker sent no response"))
+            except ApiError as e:
+                end("client_error" if e.status < 500 else ("timeout" if e.status == 504 else "upstream_error"),
+                    e.message)
+                return error(e)
+            except (_Sent, UpstreamError) as e:
+                end("upstream_error", str(e))
+                return error(ApiError(502, str(e)))
+            except TimeoutError:
+                M.timeouts.labels("request").inc()
+                msg = f"no response within {D.cfg.request_timeout_s:g} s"
+                end("timeout", msg)
+                return error(ApiError(504, msg))
+            except _ClientGone:
+                end("cancelled", "client went away")
+                return Response(status_code=499)   # nobody reads it (nginx's "client closed request")
+            except asyncio.CancelledError:
+                end("cancelled", "client went away")
+                raise
+            except Exception as e:
+                logger.exception("request %s: unexpected error", job.id)
+                end("internal_error", f"{type(e).__name__}: {e}")
+                return error(ApiError(500, f"internal error ({type(e).__name__})"))
+            finally:
+                if not handed_over:
+                    await agen.aclose()
         finally:
             if not handed_over:
-                await agen.aclose()
-                D.metrics.in_flight.dec()
+                slot.release()
 
-    async def _sse(job: Job, agen, first: dict, deadline: float):
+    async def _sse(job: Job, agen, first: dict, deadline: float, end):
         outcome, err = "ok", None
         try:
             yield _event(job, first)
@@ -478,18 +813,23 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
             outcome, err = ("client_error" if e.status < 500 else "upstream_error"), e.message
             yield f"data: {json.dumps(e.body())}\n\n"
         except (_Sent, UpstreamError) as e:
-            outcome, err = "upstream_error", str(e)
-            yield f"data: {json.dumps(ApiError(502, str(e)).body())}\n\n"
+            timeout = getattr(e, "timeout", False)
+            outcome, err = ("timeout" if timeout else "upstream_error"), str(e)
+            yield f"data: {json.dumps(ApiError(504 if timeout else 502, str(e)).body())}\n\n"
         except TimeoutError:
+            M.timeouts.labels("request").inc()
             outcome, err = "timeout", f"no response within {D.cfg.request_timeout_s:g} s"
             yield f"data: {json.dumps(ApiError(504, err).body())}\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             outcome, err = "cancelled", "client went away"
             raise
+        except Exception as e:
+            logger.exception("request %s: unexpected error while streaming", job.id)
+            outcome, err = "internal_error", f"{type(e).__name__}: {e}"
+            yield f"data: {json.dumps(ApiError(500, f'internal error ({type(e).__name__})').body())}\n\n"
         finally:
             await agen.aclose()
-            D.finish(job, outcome, err)
-            D.metrics.in_flight.dec()
+            end(outcome, err)
         yield "data: [DONE]\n\n"
 
     def _event(job: Job, chunk: dict) -> str:
@@ -531,6 +871,6 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
 
     @app.get("/metrics")
     async def metrics():
-        return Response(D.metrics.render(D.registry), media_type="text/plain; version=0.0.4")
+        return Response(M.render(D.registry), media_type="text/plain; version=0.0.4")
 
     return app

@@ -41,7 +41,8 @@ def test_disaggregated_legs_carry_kv_transfer_and_scheduling_params():
                 assert xa["priority_class"] == "high" and xa["weight"] == 2.0
                 assert xa["ttft_slo"] == pytest.approx(0.8) and xa["tpot_slo"] == pytest.approx(0.04)
                 assert xa["foo"] == 1 and "priority" not in b and "slo" not in b
-            assert r.headers["x-request-id"] == kv["xfer_id"]
+            # one KV transfer id per attempt: the request id and the attempt number
+            assert kv["xfer_id"] == r.headers["x-request-id"] + "-0"
             # the queue map saw the request and let it go
             assert h.d.registry.prefill[0].state.queue == []
     run(go())
