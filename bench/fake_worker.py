@@ -5,10 +5,27 @@ It answers the endpoints the dispatcher uses — ``/health``, ``/v1/models``,
 ``/metrics`` (``proserve:beta``, vLLM's KV-cache gauges), ``/tokenize``,
 ``/v1/completions`` and ``/v1/chat/completions``, streamed or not — in vLLM's
 formats, with made-up tokens after a configurable delay (``prefill_s`` per
-request plus ``prefill_s_per_token``, then ``decode_s`` per token). It keeps the
-bodies it received (``received``) so tests can check what the dispatcher sent,
-and can be told to fail: ``fail = "500" | "drop" | "hang" | "refuse"``,
-optionally only after ``fail_after_tokens`` streamed tokens.
+request plus ``prefill_s_per_token``, then ``decode_s`` per token; an unstreamed
+answer comes after all of them at once). It keeps the bodies it received
+(``received``) so tests can check what the dispatcher sent, and can be told to
+fail: ``fail = "500" | "drop" | "hang" | "stall"``, optionally only after
+``fail_after_tokens`` streamed tokens ("hang" also makes ``/health`` answer 503;
+"stall" goes silent while ``/health`` stays fine: a slow worker, not a dead one).
+
+More knobs for the dispatcher's failure handling:
+
+* ``health_delay_s`` / ``metrics_delay_s``: ``/health`` / ``/metrics`` answer
+  that late (a busy worker);
+* ``require_key``: every endpoint demands ``Authorization: Bearer <key>`` (401
+  otherwise, like vLLM's ``--api-key``); ``auth_seen`` lists (path, header)
+  of every request it got;
+* ``kv_error`` (and ``kv_failed_dest``): a prefill leg (``do_remote_decode``)
+  answers that its KV push failed, in the format of the real workers'
+  ``kv_transfer_params``; on success it answers ``do_remote_prefill`` as they do;
+* ``pad_bytes``: that much filler text in every streamed chunk (large streams
+  for back-pressure tests); ``tokens_written`` counts the chunks written;
+* ``cancelled`` counts generate calls whose client closed the connection before
+  the answer was complete (the handler is cancelled, as vLLM aborts them).
 
     python -m bench.fake_worker --port 9100 --decode-s 0.001     # one fake worker
 """
@@ -41,9 +58,18 @@ class FakeWorker:
     usage: float = 0.0
     fail: str | None = None
     fail_after_tokens: int = 0
+    health_delay_s: float = 0.0
+    metrics_delay_s: float = 0.0
+    require_key: str | None = None
+    kv_error: str | None = None
+    kv_failed_dest: str | None = None
+    pad_bytes: int = 0
     keep_bodies: bool = True
     received: list = field(default_factory=list)
+    auth_seen: list = field(default_factory=list)
     requests: int = 0
+    tokens_written: int = 0
+    cancelled: int = 0
     _runner: web.AppRunner | None = None
 
     @property
@@ -51,7 +77,19 @@ class FakeWorker:
         return f"http://{self.host}:{self.port}"
 
     # -- endpoints ------------------------------------------------------------------------------
+    @web.middleware
+    async def _check_key(self, request, handler):
+        got = request.headers.get("Authorization")
+        if self.keep_bodies:
+            self.auth_seen.append((request.path, got))
+        if self.require_key is not None and got != f"Bearer {self.require_key}":
+            return web.json_response({"error": {"message": "Unauthorized", "type": "Unauthorized", "param": None,
+                                                "code": 401}}, status=401)
+        return await handler(request)
+
     async def health(self, request):
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         if self.fail in ("500", "hang"):
             return web.Response(status=500 if self.fail == "500" else 503)
         return web.Response(text="")
@@ -61,6 +99,8 @@ class FakeWorker:
             {"id": self.model, "object": "model", "owned_by": "fake", "max_model_len": self.max_model_len}]})
 
     async def metrics(self, request):
+        if self.metrics_delay_s:
+            await asyncio.sleep(self.metrics_delay_s)
         return web.Response(text=(
             f'proserve:beta{{policy="slide_batching"}} {self.beta}\n'
             f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0\n'
@@ -81,13 +121,32 @@ class FakeWorker:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request, chat: bool):
+        try:
+            return await self._generate_inner(request, chat)
+        except asyncio.CancelledError:
+            self.cancelled += 1     # the client closed the connection (aiohttp cancels the handler)
+            raise
+
+    def _kv_answer(self, body: dict) -> dict | None:
+        """What a real worker puts in its response's kv_transfer_params."""
+        kv = body.get("kv_transfer_params")
+        if not isinstance(kv, dict) or not kv.get("do_remote_decode"):
+            return None
+        if self.kv_error is not None:
+            out = {"xfer_id": kv.get("xfer_id"), "error": self.kv_error}
+            if self.kv_failed_dest is not None:
+                out["kv_failed_dest"] = self.kv_failed_dest
+            return out
+        return {"do_remote_prefill": True, "do_remote_decode": False, "xfer_id": kv.get("xfer_id")}
+
+    async def _generate_inner(self, request, chat: bool):
         self.requests += 1
         body = await request.json()
         if self.keep_bodies:
             self.received.append(body)
         if self.fail == "500" and not self.fail_after_tokens:
             return web.json_response({"error": {"message": "fake failure", "code": 500}}, status=500)
-        if self.fail == "hang" and not self.fail_after_tokens:
+        if self.fail in ("hang", "stall") and not self.fail_after_tokens:
             await asyncio.sleep(3600)
         if self.fail == "drop" and not self.fail_after_tokens:
             request.transport.close()
@@ -111,7 +170,7 @@ class FakeWorker:
                 choice["token_ids"] = ids
             return web.json_response({
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model, "choices": [choice], "kv_transfer_params": body.get("kv_transfer_params"),
+                "model": self.model, "choices": [choice], "kv_transfer_params": self._kv_answer(body),
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens,
                           "total_tokens": n_prompt + max_tokens}})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -120,7 +179,7 @@ class FakeWorker:
             if i > 1:
                 await asyncio.sleep(self.decode_s)
             if self.fail and self.fail_after_tokens and i > self.fail_after_tokens:
-                if self.fail == "hang":
+                if self.fail in ("hang", "stall"):
                     await asyncio.sleep(3600)
                 request.transport.close()
                 return resp
@@ -133,7 +192,10 @@ class FakeWorker:
                 choice["token_ids"] = [i]
             chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": self.model, "choices": [choice]}
+            if self.pad_bytes:
+                chunk["pad"] = "x" * self.pad_bytes
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.tokens_written += 1
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": rid, "object": "text_completion", "created": created, "model": self.model, "choices": [],
                      "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens,
@@ -145,7 +207,7 @@ class FakeWorker:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_key])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
@@ -155,7 +217,8 @@ class FakeWorker:
         return app
 
     async def start(self) -> "FakeWorker":
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.5)
+        # handler_cancellation: a client closing the connection cancels its handler (as vLLM aborts)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=0.5, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
