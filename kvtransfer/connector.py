@@ -10,12 +10,14 @@ Loaded without patching vLLM::
         "kv_load_failure_policy": "recompute",       # decode falls back to recomputing
         "kv_connector_extra_config": {
             "listen": "tcp://127.0.0.1:15600",       # consumer: where KV is received
-            "timeout_s": 30,                          # every wait is bounded
+            "timeout_s": 30,                          # one deadline per transfer
+            "keys_dir": "/etc/proserve/kv-keys",      # CURVE keys (kvtransfer.auth); see below
         },
     }
 
 Protocol, per request, keyed by a transfer id the *caller* issues (never the
-engine's internal request id, which vLLM suffixes per engine):
+engine's internal request id, which vLLM suffixes per engine; one id per
+attempt: an id already in use on this engine is refused):
 
 1. The caller sends the prompt to a prefill engine with ``max_tokens=1`` and
    ``kv_transfer_params = {"do_remote_decode": true, "xfer_id": X,
@@ -23,22 +25,44 @@ engine's internal request id, which vLLM suffixes per engine):
 2. Producer: every step, after each attention layer, ``save_kv_layer`` pushes
    the blocks that step wrote for the request (pipelined per layer and per
    prefill chunk). When the request finishes, ``request_finished`` keeps its
-   blocks and the worker sends "done" and waits (in the background, bounded)
-   for the consumer's ack; only then does ``get_finished`` report the request
-   so vLLM frees the blocks. A missing ack (decode dead) frees them too after
-   ``timeout_s``, with an error logged.
+   blocks and the worker sends "done" (with a digest of the prompt's token
+   ids) and collects the consumer's ack in the background; only then does
+   ``get_finished`` report the request so vLLM frees the blocks. A transfer
+   has one deadline (``timeout_s``) for all its layers; a destination that
+   does not answer opens a circuit breaker (:class:`kvtransfer.sender.KVSender`)
+   and later transfers to it fail at once instead of stalling the forward
+   pass. The prefill response's ``kv_transfer_params`` then carries
+   ``error`` (and ``kv_failed_dest`` when the destination is at fault) so
+   the dispatcher sends the decode leg elsewhere or lets it recompute.
 3. The caller sends the same prompt to the decode engine with
    ``kv_transfer_params = {"do_remote_prefill": true, "xfer_id": X}``.
    Consumer: ``get_num_new_matched_tokens`` claims the prompt as loaded
    asynchronously; once transfer X is complete in the receiver, the worker
-   copies it into the blocks vLLM allocated and reports the request; vLLM
-   recomputes only the last prompt token to sample the next one. KV that
-   never arrives within ``timeout_s`` is reported as a load error: with
-   ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally.
+   checks it against this request and this engine's cache -- the digest of
+   the prompt's token ids, the layer count, dtype, block shape and block
+   coverage -- and only then copies it into the blocks vLLM allocated. A
+   transfer that fails any check, fails on the wire or never arrives within
+   ``timeout_s`` is a load failure (``failed_recving``): with
+   ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally,
+   with ``"fail"`` the request ends with an error. Never an engine crash.
+
+Security: with ``keys_dir`` the KV sockets use ZeroMQ CURVE (the consumer's
+receiver admits only the client keys in ``keys_dir/clients``; the producer
+needs ``client.key_secret`` and ``server.key``). Without keys, the receiver
+binds only loopback/ipc addresses and the sender sends only to them, unless
+``insecure: true`` is set explicitly.
+
+Extra config keys: ``listen``, ``timeout_s``, ``connect_timeout_s``,
+``keys_dir``, ``insecure``; consumer memory caps ``max_open_transfers``,
+``max_held_mib``, ``max_peer_mib``, ``max_message_mib``, ``result_ttl_s``;
+``heartbeat_path`` (the receiver's liveness file, read by the worker's
+``/health``); test hooks ``debug_dump_dir``, ``debug_corrupt``.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import os
 import re
@@ -46,15 +70,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
+from . import connector_metrics
+from .auth import ClientKeys, ServerKeys
 from .receiver import KVReceiver
-from .sender import KVSender
+from .sender import DestinationUnavailable, KVSender
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +97,7 @@ log = logging.getLogger("proserve.kvtransfer")
 
 XFER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ADDR_RE = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:]+:\d{1,5}|ipc://[\w./-]{1,200})$")
+MIB = 1 << 20
 
 
 class TransferParamsError(ValueError):
@@ -78,6 +108,8 @@ def parse_params(params: dict | None) -> dict | None:
     """Validate the ProServe fields of ``kv_transfer_params``; return them or None."""
     if not params:
         return None
+    if not isinstance(params, dict):
+        raise TransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     out = {}
     if params.get("do_remote_decode"):
         out["role"] = "produce"
@@ -98,6 +130,27 @@ def parse_params(params: dict | None) -> dict | None:
     return out
 
 
+def prompt_digest(token_ids) -> str:
+    """What binds a transfer to its request: a digest of the prompt's token ids.
+    The producer sends it in "done"; the consumer compares it with its own
+    request's prompt before it injects anything."""
+    ids = np.asarray(list(token_ids or ()), dtype="<i8")
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+
+
+def _extra(cfg, key: str, default, kind=float):
+    """A typed kv_connector_extra_config value (``--kv-extra`` passes strings)."""
+    v = cfg.get_from_extra_config(key, default)
+    if v is None or kind is None:
+        return v
+    if kind is bool:
+        return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config.{key}: expected {kind.__name__}, got {v!r}") from None
+
+
 # -- metadata passed from the scheduler-side connector to the worker ---------------------
 @dataclass
 class SaveSpec:
@@ -114,6 +167,7 @@ class FinishSpec:
     xfer: str
     addr: str
     num_tokens: int
+    digest: str
 
 
 @dataclass
@@ -122,6 +176,7 @@ class LoadSpec:
     xfer: str
     block_ids: list[int]      # physical destination blocks, logical index 0..
     skip_blocks: int          # leading blocks already computed locally (prefix cache)
+    digest: str               # prompt_digest of the request's prompt
 
 
 @dataclass
@@ -130,6 +185,27 @@ class ProServeConnectorMetadata(KVConnectorMetadata):
     finishes: list[FinishSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[str] = field(default_factory=list)  # consumer: transfers no request will load
+    aborts: list[tuple[str, str]] = field(default_factory=list)  # producer: (xfer, dest) that will not finish
+
+
+# -- metadata passed back from the worker to the scheduler side --------------------------
+@dataclass
+class ProServeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Producer: transfers that failed this step (xfer -> (dest, error)) and
+    destinations whose circuit breaker changed (dest -> seconds it stays open,
+    0 once it works again; error)."""
+    failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    dests: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        if isinstance(other, ProServeWorkerMetadata):
+            self.failed.update(other.failed)
+            self.dests.update(other.dests)
+        return self
+
+
+class LoadRejected(Exception):
+    """A received transfer that must not be injected (wrong request, wrong layout)."""
 
 
 class ProServeConnector(KVConnectorBase_V1):
@@ -139,18 +215,25 @@ class ProServeConnector(KVConnectorBase_V1):
         cfg = self._kv_transfer_config
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = cfg.is_kv_producer
-        self.timeout_s = float(cfg.get_from_extra_config("timeout_s", 30.0))
+        self.timeout_s = _extra(cfg, "timeout_s", 30.0)
+        self.connect_timeout_s = _extra(cfg, "connect_timeout_s", 2.0)
         self.listen = cfg.get_from_extra_config("listen", f"tcp://127.0.0.1:{cfg.kv_port}")
+        self.keys_dir = cfg.get_from_extra_config("keys_dir", None) or None
+        self.insecure = _extra(cfg, "insecure", False, bool)
         # test hooks: dump what was sent / injected, or corrupt what is injected
         self.debug_dir = cfg.get_from_extra_config("debug_dump_dir", None)
         self.debug_corrupt = cfg.get_from_extra_config("debug_corrupt", None)  # None | "flip" | "swap"
         # scheduler side
         self._params: dict[str, dict] = {}             # req_id -> parsed params
+        self._xfers: dict[str, str] = {}               # xfer id -> req_id, while the id is in use here
         self._blocks: dict[str, list[int]] = {}        # producer: physical blocks per request
         self._pending_finish: list[FinishSpec] = []
         self._unacked: set[str] = set()
         self._pending_load: list[LoadSpec] = []
         self._pending_discard: list[str] = []
+        self._pending_abort: list[tuple[str, str]] = []
+        self._sending: dict[str, str] = {}             # producer: req_id -> xfer, until the worker is done
+        self._dest_open: dict[str, tuple[float, str]] = {}   # dest -> (monotonic open-until, error)
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -159,25 +242,39 @@ class ProServeConnector(KVConnectorBase_V1):
         self._receiver: KVReceiver | None = None
         self._done_sending: set[str] = set()
         self._finishing: dict[str, tuple[str, str]] = {}  # xfer -> (req_id, addr), awaiting ack
+        self._failed_xfers: collections.OrderedDict = collections.OrderedDict()  # xfer -> (addr, error)
+        self._meta_failed: dict[str, tuple[str, str]] = {}
+        self._dest_reported: dict[str, bool] = {}     # dest -> last breaker state told (True = usable)
         self._step = 0                                  # producer: steps with saves, orders chunks
         self._loads: dict[str, tuple[LoadSpec, float]] = {}
-        self._load_errors: set[int] = set()
-        self.stats = {"sent_bytes": 0, "received_xfers": 0, "failed_sends": 0, "failed_loads": 0}
+        self._failed_loads: set[str] = set()
+        self.metrics = connector_metrics.get()
 
     # ================================ scheduler side ===================================
     def on_new_request(self, request: "Request") -> None:
+        rid = request.request_id
         try:
             p = parse_params(request.kv_transfer_params)
+            if p is not None and p["xfer"] in self._xfers:
+                raise TransferParamsError(f"kv_transfer_params.xfer_id {p['xfer']!r} is already in use by "
+                                          f"another request on this engine (one id per attempt)")
         except TransferParamsError as e:
-            log.error("request %s: %s; served without KV transfer", request.request_id, e)
-            self._params[request.request_id] = {"role": "invalid", "error": str(e)}
+            log.error("request %s: %s; served without KV transfer", rid, e)
+            self._params[rid] = {"role": "invalid", "error": str(e)}
             return
         if p is None:
             return
         if p["role"] == "produce" and not self.is_producer:
-            log.error("request %s asks a consumer engine to produce KV; ignored", request.request_id)
+            log.error("request %s asks a consumer engine to produce KV; ignored", rid)
             return
-        self._params[request.request_id] = p
+        if p["role"] == "produce":
+            p["digest"] = prompt_digest(request.prompt_token_ids)
+            down = self._dest_open.get(p["addr"])
+            if down is not None and down[0] > time.monotonic():
+                # the breaker is open: do not even try (the response says why)
+                p["failed"] = f"KV destination {p['addr']} unavailable: {down[1]}"
+        self._params[rid] = p
+        self._xfers[p["xfer"]] = rid
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         p = self._params.get(request.request_id)
@@ -193,32 +290,36 @@ class ProServeConnector(KVConnectorBase_V1):
         p["claimed"] = True
         block_ids = list(blocks.get_block_ids()[0])
         skip = request.num_computed_tokens // self.block_size
-        self._pending_load.append(LoadSpec(request.request_id, p["xfer"], block_ids, skip))
+        self._pending_load.append(LoadSpec(request.request_id, p["xfer"], block_ids, skip,
+                                           prompt_digest(request.prompt_token_ids)))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = ProServeConnectorMetadata(finishes=self._pending_finish, loads=self._pending_load,
-                                         discards=self._pending_discard)
-        self._pending_finish, self._pending_load, self._pending_discard = [], [], []
+                                         discards=self._pending_discard, aborts=self._pending_abort)
+        self._pending_finish, self._pending_load, self._pending_discard, self._pending_abort = [], [], [], []
         if not self.is_producer:
             return meta
         bs = self.block_size
         n_sched = scheduler_output.num_scheduled_tokens
 
-        def add_save(req_id: str, computed: int) -> None:
+        def add_save(req_id: str, computed: int, start: int | None = None) -> None:
+            """Send the blocks of tokens [start, computed + this step's tokens)."""
             p = self._params.get(req_id)
-            if p is None or p["role"] != "produce":
+            if p is None or p["role"] != "produce" or p.get("failed"):
                 return
             n = n_sched.get(req_id, 0)
             if n <= 0:
                 return
-            first, last = computed // bs, (computed + n - 1) // bs
+            first, last = (computed if start is None else start) // bs, (computed + n - 1) // bs
             blocks = self._blocks[req_id][first:last + 1]
             meta.saves.append(SaveSpec(req_id, p["xfer"], p["addr"], blocks, first))
 
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._params:
                 self._blocks[new.req_id] = list(new.block_ids[0])
-                add_save(new.req_id, new.num_computed_tokens)
+                # from block 0: blocks this engine had in its prefix cache are part of the
+                # prompt's KV too, and the decode engine does not have them
+                add_save(new.req_id, new.num_computed_tokens, start=0)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._params:
@@ -227,28 +328,42 @@ class ProServeConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids:
                 self._blocks[req_id] = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
-                self._blocks[req_id].extend(new_blocks[0])
+                self._blocks.setdefault(req_id, []).extend(new_blocks[0])
             add_save(req_id, cached.num_computed_tokens[i])
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         p = self._params.pop(request.request_id, None)
         self._blocks.pop(request.request_id, None)
-        if p is not None and p["role"] == "consume" and not p.get("claimed"):
-            # nothing was loaded (e.g. a one-token prompt, which vLLM computes itself):
-            # drop the transfer from the receiver instead of holding it until its TTL
-            self._pending_discard.append(p["xfer"])
-        if p is not None and p["role"] == "invalid":
+        if p is None:
+            return False, None
+        if p["role"] == "invalid":
             return False, {"error": p["error"]}
-        if p is None or p["role"] != "produce":
+        if p["role"] == "consume":
+            self._release_xfer(p["xfer"], request.request_id)
+            if not p.get("claimed"):
+                # nothing was loaded (e.g. a one-token prompt, which vLLM computes itself):
+                # drop the transfer from the receiver instead of holding it until its TTL
+                self._pending_discard.append(p["xfer"])
             return False, None
         from vllm.v1.request import RequestStatus
+        if p.get("failed"):
+            self._release_xfer(p["xfer"], request.request_id)
+            return False, {"xfer_id": p["xfer"], "error": p["failed"], "kv_failed_dest": p["addr"]}
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            self._release_xfer(p["xfer"], request.request_id)
+            self._pending_abort.append((p["xfer"], p["addr"]))   # the receiver drops what it got
             return False, {"xfer_id": p["xfer"], "error": f"prefill ended with {request.status.name}"}
-        self._pending_finish.append(FinishSpec(request.request_id, p["xfer"], p["addr"], request.num_computed_tokens))
+        self._pending_finish.append(FinishSpec(request.request_id, p["xfer"], p["addr"],
+                                               request.num_computed_tokens, p["digest"]))
         self._unacked.add(request.request_id)
+        self._sending[request.request_id] = p["xfer"]   # the id stays in use until the worker is done
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "xfer_id": p["xfer"],
-                      "num_tokens": request.num_computed_tokens}
+                      "num_tokens": request.num_computed_tokens, "prompt_digest": p["digest"]}
+
+    def _release_xfer(self, xfer: str, req_id: str) -> None:
+        if self._xfers.get(xfer) == req_id:
+            del self._xfers[xfer]
 
     def has_pending_push_work(self) -> bool:
         return bool(self._unacked or self._pending_finish)
@@ -256,6 +371,23 @@ class ProServeConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._unacked.discard(req_id)
+            xfer = self._sending.pop(req_id, None)
+            if xfer is not None:
+                self._release_xfer(xfer, req_id)
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, ProServeWorkerMetadata):
+            return
+        now = time.monotonic()
+        for dest, (open_s, err) in meta.dests.items():
+            if open_s > 0:
+                self._dest_open[dest] = (now + open_s, err)
+            else:
+                self._dest_open.pop(dest, None)
+        for xfer, (dest, err) in meta.failed.items():
+            p = self._params.get(self._xfers.get(xfer, ""))
+            if p is not None and p["role"] == "produce" and not p.get("failed"):
+                # still being prefilled: stop sending; its response reports the failure
+                p["failed"] = f"KV transfer to {dest} failed: {err}"
 
     # ================================== worker side =====================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -266,18 +398,31 @@ class ProServeConnector(KVConnectorBase_V1):
         # block dimension: 0 on CPU ([blocks, heads, block_size, 2*head]), 1 on CUDA ([2, blocks, ...])
         self._block_dim = 0 if num_blocks is None or first.shape[0] == num_blocks else 1
         if not self.is_producer and self._receiver is None:
-            # vLLM's CPU worker pins its main thread to one core and busy-polls there; a
-            # thread started from it would inherit that pin and starve. Start the
-            # receiver thread with every core allowed, then restore the pin.
-            pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-            try:
-                if pinned is not None:
-                    os.sched_setaffinity(0, range(os.cpu_count() or 1))
-                self._receiver = KVReceiver(self.listen)
-            finally:
-                if pinned is not None:
-                    os.sched_setaffinity(0, pinned)
-            log.info("ProServe KV receiver listening on %s", self.listen)
+            self._start_receiver()
+
+    def _start_receiver(self) -> None:
+        cfg = self._kv_transfer_config
+        curve = ServerKeys.load(self.keys_dir) if self.keys_dir else None
+        kw = dict(curve=curve, allow_insecure=self.insecure,
+                  heartbeat_path=cfg.get_from_extra_config("heartbeat_path", None) or None,
+                  max_open_transfers=_extra(cfg, "max_open_transfers", 1024, int),
+                  max_held_bytes=int(_extra(cfg, "max_held_mib", 2048.0) * MIB),
+                  max_peer_bytes=int(_extra(cfg, "max_peer_mib", 1024.0) * MIB),
+                  max_message_bytes=int(_extra(cfg, "max_message_mib", 64.0) * MIB),
+                  result_ttl_s=_extra(cfg, "result_ttl_s", max(120.0, 2 * self.timeout_s)))
+        # vLLM's CPU worker pins its main thread to one core and busy-polls there; a
+        # thread started from it would inherit that pin and starve. Start the
+        # receiver thread with every core allowed, then restore the pin.
+        pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        try:
+            if pinned is not None:
+                os.sched_setaffinity(0, range(os.cpu_count() or 1))
+            self._receiver = KVReceiver(self.listen, **kw)
+        finally:
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
+        log.info("ProServe KV receiver listening on %s (%s)", self.listen,
+                 "CURVE" if curve else "no authentication: loopback only")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         return
@@ -288,8 +433,27 @@ class ProServeConnector(KVConnectorBase_V1):
     def _sender(self, addr: str) -> KVSender:
         s = self._senders.get(addr)
         if s is None:
-            s = self._senders[addr] = KVSender(addr, timeout=self.timeout_s)
+            curve = ClientKeys.load(self.keys_dir) if self.keys_dir else None
+            s = self._senders[addr] = KVSender(addr, timeout=self.timeout_s, connect_timeout=self.connect_timeout_s,
+                                               curve=curve, allow_insecure_remote=self.insecure)
         return s
+
+    def _transfer_failed(self, xfer: str, addr: str, e: BaseException) -> None:
+        """Producer: a transfer cannot complete. Later layers of it are skipped, the
+        receiver is told, and the scheduler side hears of it (worker metadata)."""
+        if xfer in self._failed_xfers:
+            return
+        err = f"{type(e).__name__}: {e}"
+        self._failed_xfers[xfer] = (addr, err)
+        while len(self._failed_xfers) > 4096:
+            self._failed_xfers.popitem(last=False)
+        self._meta_failed[xfer] = (addr, err)
+        self.metrics.send_failed(addr, "destination_unavailable" if isinstance(e, DestinationUnavailable)
+                                 else type(e).__name__)
+        s = self._senders.get(addr)
+        if s is not None:
+            s.abort(xfer, "sender failed")
+        log.error("KV transfer %s to %s failed: %s", xfer, addr, err)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -303,6 +467,8 @@ class ProServeConnector(KVConnectorBase_V1):
         # the pieces distinct and ordered; the blocks sent are logical indices in the request
         wire_layer = self._step * len(self._layer_index) + layer
         for s in meta.saves:
+            if s.xfer in self._failed_xfers:
+                continue   # one deadline per transfer: a failed one is not retried layer by layer
             idx = torch.tensor(s.block_ids, dtype=torch.long, device=kv_layer.device)
             data = kv_layer.index_select(self._block_dim, idx)
             if self._block_dim != 0:
@@ -313,9 +479,9 @@ class ProServeConnector(KVConnectorBase_V1):
             try:
                 self._sender(s.addr).send_layer(s.xfer, wire_layer,
                                                 list(range(s.first_block, s.first_block + data.shape[0])), data)
-                self.stats["sent_bytes"] += data.numel() * data.element_size()
+                self.metrics.sent(data.numel() * data.element_size())
             except Exception as e:  # a dead peer must not take the engine down
-                log.error("KV transfer %s: sending layer %d failed: %s", s.xfer, layer, e)
+                self._transfer_failed(s.xfer, s.addr, e)
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
@@ -324,13 +490,20 @@ class ProServeConnector(KVConnectorBase_V1):
         if meta.saves:
             self._step += 1
         for f in meta.finishes:
+            if f.xfer in self._failed_xfers:
+                self._done_sending.add(f.req_id)   # nothing to wait for: vLLM may free the blocks
+                continue
             # "done" now; the ack is collected by get_finished (no extra thread)
             try:
-                self._sender(f.addr).finish_async(f.xfer, timeout=self.timeout_s)
+                self._sender(f.addr).finish_async(f.xfer, timeout=self.timeout_s, digest=f.digest)
                 self._finishing[f.xfer] = (f.req_id, f.addr)
             except Exception as e:
-                self._send_failed(f.xfer, f.addr, e)
+                self._transfer_failed(f.xfer, f.addr, e)
                 self._done_sending.add(f.req_id)
+        for xfer, addr in meta.aborts:
+            s = self._senders.get(addr)
+            if s is not None:
+                s.abort(xfer, "the prefill request did not finish")
         for xfer in meta.discards:
             if self._receiver is not None:
                 self._receiver.discard(xfer)
@@ -338,11 +511,11 @@ class ProServeConnector(KVConnectorBase_V1):
         for ld in meta.loads:
             self._loads[ld.req_id] = (ld, now + self.timeout_s)
 
-    def _send_failed(self, xfer: str, addr: str, e: Exception) -> None:
-        self.stats["failed_sends"] += 1
-        log.error("KV transfer %s to %s failed: %s; freeing its blocks", xfer, addr, e)
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return (r.finished_sending or None), (r.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._finishing:
             for sender in self._senders.values():
                 for xfer, outcome in sender.poll_finished().items():
@@ -350,42 +523,116 @@ class ProServeConnector(KVConnectorBase_V1):
                     if entry is None:
                         continue
                     if isinstance(outcome, Exception):
-                        self._send_failed(xfer, entry[1], outcome)
+                        self._transfer_failed(xfer, entry[1], outcome)
                     self._done_sending.add(entry[0])   # acked or failed: vLLM may free the blocks
         sending, self._done_sending = self._done_sending, set()
         recving: set[str] = set()
+        failed: set[str] = set()
         if self._loads:
             # the engine steps back to back while a request waits for its KV; give the
             # receiver thread the interpreter for a moment so it can take the data in
             time.sleep(0.002)
             now = time.monotonic()
+            rx = self._receiver
             for req_id, (ld, deadline) in list(self._loads.items()):
-                result = self._receiver.wait(ld.xfer, timeout=0) if self._receiver.ready(ld.xfer) else None
+                result = rx.wait(ld.xfer, timeout=0) if rx is not None and rx.ready(ld.xfer) else None
+                why = None
                 if result is not None and result.ok:
-                    self._inject(ld, result)
-                    self.stats["received_xfers"] += 1
-                elif (result is not None and not result.ok) or now > deadline:
-                    why = result.error if result is not None else f"no KV within {self.timeout_s:g} s"
-                    log.error("KV transfer %s failed (%s); the decode engine recomputes the prompt", ld.xfer, why)
-                    self.stats["failed_loads"] += 1
-                    self._load_errors.update(ld.block_ids[ld.skip_blocks:])
-                    if result is None:
-                        self._receiver.discard(ld.xfer)
+                    try:
+                        self._inject(ld, result)
+                        self.metrics.received(result.nbytes)
+                    except LoadRejected as e:
+                        why, reason = str(e), "rejected"
+                    except Exception as e:  # never an engine crash: recompute instead
+                        log.exception("KV transfer %s: injecting it failed", ld.xfer)
+                        why, reason = f"inject failed: {type(e).__name__}: {e}", "inject_error"
+                elif result is not None:
+                    why, reason = result.error, "transfer_failed"
+                elif now > deadline or rx is None or not rx.alive:
+                    why = f"no KV within {self.timeout_s:g} s" if rx is not None and rx.alive else \
+                        "the KV receiver is not running"
+                    reason = "timeout"
+                    if rx is not None:
+                        rx.discard(ld.xfer)
                 else:
                     continue
+                if why is not None:
+                    log.error("KV transfer %s failed (%s); the decode engine %s", ld.xfer, why,
+                              "recomputes the prompt" if self._kv_transfer_config.kv_load_failure_policy
+                              == "recompute" else "fails the request")
+                    self.metrics.load_failed(reason)
+                    failed.add(req_id)
                 del self._loads[req_id]
                 recving.add(req_id)
-        return (sending or None), (recving or None)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self.is_producer:
+            return None
+        meta = ProServeWorkerMetadata(failed=self._meta_failed)
+        self._meta_failed = {}
+        now = time.monotonic()
+        for addr, s in self._senders.items():
+            st = s.destinations().get(addr)
+            if st is None:
+                continue
+            ok = st["state"] == "closed"
+            if self._dest_reported.get(addr, True) != ok:
+                self._dest_reported[addr] = ok
+                meta.dests[addr] = (0.0 if ok else max(0.0, st["open_until"] - now), st.get("last_error") or "")
+                self.metrics.destination(addr, ok)
+        return meta if (meta.failed or meta.dests) else None
+
+    # -- consumer: check, then inject --------------------------------------------------------
+    def _check(self, ld: LoadSpec, result) -> list[tuple[int, int, Any]]:
+        """The received transfer as (layer, first logical block, LayerData) pieces, after
+        checking it belongs to this request and fits this engine's cache; raises
+        :class:`LoadRejected` otherwise. Nothing is written before this passes."""
+        if not result.digest or result.digest != ld.digest:
+            raise LoadRejected(f"transfer {ld.xfer!r} was made for another prompt (digest "
+                               f"{result.digest[:12] or 'missing'} != {ld.digest[:12]})")
+        names = list(self._kv_caches)
+        L = len(names)
+        need = range(ld.skip_blocks, len(ld.block_ids))
+        covered: list[set[int]] = [set() for _ in range(L)]
+        pieces = []
+        for wire_layer in sorted(result.layers):        # step order: later pieces win
+            part = result.layers[wire_layer]
+            layer = wire_layer % L
+            dst = self._kv_caches[names[layer]]
+            dtype = str(dst.dtype).removeprefix("torch.")
+            if part.dtype != dtype:
+                raise LoadRejected(f"layer {layer}: dtype {part.dtype} does not match this engine's {dtype}")
+            block_shape = tuple(s for i, s in enumerate(dst.shape) if i != self._block_dim)
+            if len(part.shape) != len(block_shape) + 1 or tuple(part.shape[1:]) != block_shape:
+                raise LoadRejected(f"layer {layer}: block shape {list(part.shape[1:])} does not match this "
+                                   f"engine's {list(block_shape)} (same model, block size and dtype on both sides?)")
+            blocks = part.blocks
+            n = part.shape[0]
+            if n == 0:
+                continue
+            first = blocks[0] if blocks else 0
+            if blocks != list(range(first, first + n)):
+                raise LoadRejected(f"layer {layer}: block positions {blocks[:8]} are not the {n} consecutive "
+                                   f"positions its data holds")
+            if first + n > len(ld.block_ids) + 1:
+                raise LoadRejected(f"layer {layer}: blocks {first}..{first + n - 1} lie beyond this request's "
+                                   f"{len(ld.block_ids)} blocks")
+            covered[layer].update(range(first, first + n))
+            pieces.append((layer, first, part))
+        for layer, got in enumerate(covered):
+            missing = [b for b in need if b not in got]
+            if missing:
+                raise LoadRejected(f"layer {layer}: {len(missing)} of this request's blocks were not sent "
+                                   f"(first missing: {missing[0]})")
+        return pieces
 
     def _inject(self, ld: LoadSpec, result) -> None:
         """Copy received blocks into the paged cache at the blocks vLLM allocated."""
+        pieces = self._check(ld, result)
         names = list(self._kv_caches)
-        L = len(names)
-        chunks = []
-        for wire_layer in sorted(result.layers):        # step order: later pieces win
-            ld_ = result.layers[wire_layer]
-            blocks = ld_.blocks
-            chunks.append((wire_layer % L, blocks[0], ld_.tensor().reshape(len(blocks), *ld_.shape[1:])))
+        chunks = [(layer, first, part.tensor().reshape(part.shape)) for layer, first, part in pieces]
         if self.debug_corrupt and chunks:
             chunks[0] = _corrupt(chunks[0], self.debug_corrupt)
         for layer, first_block, data in chunks:
@@ -410,8 +657,7 @@ class ProServeConnector(KVConnectorBase_V1):
                 _dump(self.debug_dir, ld.xfer, f"recv_l{layer}_b{ld.skip_blocks}_n{len(idx)}", got.contiguous())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errs, self._load_errors = self._load_errors, set()
-        return errs
+        return set()   # failures are reported per request (failed_recving)
 
     def shutdown(self):
         for s in self._senders.values():
@@ -422,7 +668,6 @@ class ProServeConnector(KVConnectorBase_V1):
 
 def _dump(root: str, xfer: str, name: str, t: torch.Tensor) -> None:
     """Test hook: raw bytes of ``t`` (block-major) to ``root/xfer/name.bin``."""
-    import os
     d = os.path.join(root, xfer)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, name + ".bin"), "wb") as f:

@@ -9,13 +9,14 @@ worker's PID is the server's and signals reach vLLM directly.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from . import params
+from . import params, worker_http
 
 TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
 DEVICES = ("cpu", "cuda", "npu")
@@ -51,14 +52,49 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     ap.add_argument("--cpu-bind", default=None,
                     help="CPU cores for the engine's threads (VLLM_CPU_OMP_THREADS_BIND, e.g. '0' or '0-3'); "
                          "give co-hosted workers disjoint cores")
+    sec = ap.add_argument_group(
+        "security",
+        "Secure by default: HTTP and KV bind loopback unless told otherwise; a non-loopback --host needs an "
+        "API key, a non-loopback KV address needs CURVE keys (python -m kvtransfer.keys DIR makes them).")
+    sec.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="file holding the API key the dispatcher must send (vLLM's --api-key, passed through "
+                          "the environment, not the command line); guards /v1/* and, through ProServe's "
+                          "middleware, every other route except /health and /metrics. Env VLLM_API_KEY works too")
+    sec.add_argument("--allow-no-api-key", action="store_true",
+                     help="serve a non-loopback --host without an API key (only behind a trusted network)")
+    sec.add_argument("--kv-keys", default=None, metavar="DIR",
+                     help="ZeroMQ CURVE keys for the KV transport (layout of `python -m kvtransfer.keys DIR`): a "
+                          + ("decode worker reads server.key_secret and admits the client keys in DIR/clients"
+                             if role == "decode" else
+                             "prefill worker reads client.key_secret and server.key")
+                          + "; required for a non-loopback KV address")
+    sec.add_argument("--kv-insecure", action="store_true",
+                     help="allow KV over a non-loopback address without CURVE (unauthenticated, unencrypted)")
     ap.add_argument("--kv-timeout", type=float, default=30.0,
-                    help="seconds any KV transfer wait may take before it fails (default 30)")
+                    help="seconds a KV transfer may take in all, every layer of it (default 30)")
     if role == "decode":
         ap.add_argument("--kv-listen", default="tcp://127.0.0.1:15600",
                         help="ZeroMQ address where this worker receives KV (default tcp://127.0.0.1:15600; "
-                             "prefill workers push to it). Bind a non-loopback address only on a trusted network.")
+                             "prefill workers push to it). A non-loopback address needs --kv-keys.")
         ap.add_argument("--kv-failure", choices=["recompute", "fail"], default="recompute",
-                        help="when KV never arrives: recompute the prompt locally (default) or fail the request")
+                        help="when KV never arrives or fails its checks: recompute the prompt locally (default) "
+                             "or fail the request")
+        caps = ap.add_argument_group("KV receiver limits", "Bounds on what peers can make the receiver hold.")
+        caps.add_argument("--kv-max-open", type=int, default=1024,
+                          help="open transfers plus uncollected results (default 1024); more are refused")
+        caps.add_argument("--kv-max-held-mib", type=float, default=2048,
+                          help="received, not yet loaded KV, all peers together, MiB (default 2048)")
+        caps.add_argument("--kv-max-peer-mib", type=float, default=1024,
+                          help="the same, per sending peer, MiB (default 1024)")
+        caps.add_argument("--kv-max-message-mib", type=float, default=64,
+                          help="largest accepted KV message, MiB (default 64); ZeroMQ drops a peer that sends more")
+        caps.add_argument("--kv-result-ttl", type=float, default=None,
+                          help="seconds a received transfer waits for its decode request (default max(120, 2 x "
+                               "--kv-timeout))")
+    else:
+        ap.add_argument("--kv-connect-timeout", type=float, default=2.0,
+                        help="seconds a decode worker's KV receiver has to answer a new connection before the "
+                             "transfer fails and the destination's circuit breaker opens (default 2)")
     ap.add_argument("--kv-extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra kv_connector_extra_config entry (repeatable), e.g. debug_dump_dir=/tmp/kv")
     ap.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False,
@@ -107,8 +143,61 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return ap
 
 
-def kv_transfer_config(role: str, args) -> dict:
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_security(role: str, args) -> None:
+    """Refuse, at start-up, what would expose an unauthenticated port (secure by default)."""
+    from kvtransfer.auth import ClientKeys, KeysError, ServerKeys, is_loopback
+    if not is_loopback_host(args.host) and not (args.api_key_file or os.environ.get("VLLM_API_KEY")) \
+            and not args.allow_no_api_key:
+        raise SystemExit(f"error: --host {args.host} is not a loopback address and no API key is set: pass "
+                         f"--api-key-file (scripts/make_keys.sh makes one), or --allow-no-api-key on a "
+                         f"trusted network")
+    if args.kv_keys:
+        try:
+            (ServerKeys if role == "decode" else ClientKeys).load(args.kv_keys)
+        except KeysError as e:
+            raise SystemExit(f"error: --kv-keys: {e}")
+    elif role == "decode" and not getattr(args, "colocated", False) and not is_loopback(args.kv_listen) \
+            and not args.kv_insecure:
+        raise SystemExit(f"error: --kv-listen {args.kv_listen} is not a loopback address: pass --kv-keys DIR "
+                         f"(python -m kvtransfer.keys DIR makes the CURVE keys), or --kv-insecure on a "
+                         f"trusted network")
+
+
+def read_api_key(path: str) -> str:
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"error: --api-key-file {path}: cannot read ({e.strerror})")
+    if not key or any(c.isspace() for c in key):
+        raise SystemExit(f"error: --api-key-file {path}: must hold one key (no spaces), got "
+                         f"{'nothing' if not key else 'several words'}")
+    return key
+
+
+def kv_transfer_config(role: str, args, heartbeat: str | None = None) -> dict:
     extra = {"timeout_s": args.kv_timeout}
+    if heartbeat:
+        extra["heartbeat_path"] = heartbeat
+    if args.kv_keys:
+        extra["keys_dir"] = str(Path(args.kv_keys).resolve())
+    if args.kv_insecure:
+        extra["insecure"] = True
+    if role == "decode":
+        extra.update(max_open_transfers=args.kv_max_open, max_held_mib=args.kv_max_held_mib,
+                     max_peer_mib=args.kv_max_peer_mib, max_message_mib=args.kv_max_message_mib,
+                     result_ttl_s=args.kv_result_ttl if args.kv_result_ttl is not None
+                     else max(120.0, 2 * args.kv_timeout))
+    else:
+        extra["connect_timeout_s"] = args.kv_connect_timeout
     for item in args.kv_extra:
         k, sep, v = item.partition("=")
         if not sep or not k:
@@ -134,8 +223,13 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", args.model, "--load-format", load_format, "--host", args.host,
             "--port", str(args.port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+    # a fresh directory per launch: the engine's metrics files, the KV receiver's heartbeat
+    run_dir = tempfile.mkdtemp(prefix=f"proserve-{role}-{args.port}-")
+    heartbeat = None
     if not getattr(args, "colocated", False):
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(role, args))]
+        if role == "decode":
+            heartbeat = os.path.join(run_dir, "kv-receiver.heartbeat")
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(role, args, heartbeat))]
     if args.block_size is not None:
         argv += ["--block-size", str(args.block_size)]
     if skip_tok:
@@ -143,6 +237,16 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     if args.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     env = dict(os.environ)
+    # the KV receiver's liveness and the API key on every route (prefill.worker_http)
+    argv += ["--middleware", "prefill.worker_http.WorkerGuard"]
+    if args.api_key_file:
+        env["VLLM_API_KEY"] = read_api_key(args.api_key_file)
+    if heartbeat:
+        env[worker_http.HEARTBEAT_ENV] = heartbeat
+    # metrics of the engine process (scheduler plugin, KV connector) reach vLLM's /metrics
+    # through a fresh multiprocess directory (see prefill.sched_metrics)
+    env["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(run_dir, "metrics")
+    os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
     if args.scheduler_cls:
         argv += ["--scheduler-cls", args.scheduler_cls]
     elif args.local_policy != OFF:
@@ -153,9 +257,6 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
         argv += ["--logits-processors", VALIDATOR]
         env[params.CLASSES_ENV] = params.classes_to_env(classes)
         env[params.DEFAULT_CLASS_ENV] = proserve.get("default_class") or params.default_class_of(classes)
-        # the plugin's metrics live in the engine process: a fresh multiprocess
-        # directory makes vLLM's /metrics collect them (see prefill.sched_metrics)
-        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"proserve-{role}-{args.port}-metrics-")
     rest = list(args.vllm_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -235,5 +336,11 @@ def main(role: str, argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --port must be in 1..65535, got {args.port}")
     if args.kv_timeout <= 0:
         raise SystemExit(f"error: --kv-timeout must be > 0, got {args.kv_timeout}")
+    for name in ("kv_connect_timeout", "kv_max_held_mib", "kv_max_peer_mib", "kv_max_message_mib", "kv_result_ttl",
+                 "kv_max_open"):
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be > 0, got {v}")
+    check_security(role, args)
     cmd, env = vllm_argv(role, args)
     os.execvpe(cmd[0], cmd, env)

@@ -157,14 +157,25 @@ def test_dead_decode_frees_prefill_blocks_and_prefill_keeps_serving(cluster):
                      {"do_remote_decode": True, "xfer_id": "to-dead", "remote_addr": dead})
     assert first["choices"][0]["token_ids"]
     deadline = time.monotonic() + 30
-    while "KV transfer to-dead" not in c["prefill"].log() and time.monotonic() < deadline:
+    while "KV transfer to-dead to" not in c["prefill"].log() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert "KV transfer to-dead" in c["prefill"].log() and "freeing its blocks" in c["prefill"].log()
+    assert "KV transfer to-dead to" in c["prefill"].log()
+    # its blocks went back to the pool, and the failure is counted for that destination
+    deadline = time.monotonic() + 30
+    while _metric(c["prefill"].url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(c["prefill"].url, "vllm:kv_cache_usage_perc") == 0
+    assert _metric(c["prefill"].url, "proserve:kv_send_failures_total", dead) >= 1
     # the next request is served normally, end to end
     prompt = prompts()[5]
     alone = complete(c["decode"].url, c["model"], prompt, 6)["choices"][0]["token_ids"]
     got, _ = pd_generate(c["prefill"], c["decode"], c["model"], prompt, 6, "after-dead", c["listen"])
     assert got == alone
+
+
+def _metric(url: str, name: str, *must: str) -> float:
+    from bench.local_cluster import metric_sum, metrics
+    return metric_sum(metrics(url), name, *must)
 
 
 def test_malformed_kv_message_is_rejected_and_receiver_keeps_serving(cluster):
