@@ -1,38 +1,52 @@
 #!/usr/bin/env bash
 # Stop a cluster started by scripts/launch_cluster.sh (dispatcher first, then the workers).
-#   scripts/stop_cluster.sh [-d RUN_DIR]
-# Each process gets SIGTERM (its whole process group: vLLM's engine processes too),
-# then SIGKILL after 30 s. Exit status 0 when nothing is left running.
+#   scripts/stop_cluster.sh [-d RUN_DIR] [-t GRACE_SECONDS]
+# Every recorded process group gets SIGTERM -- whether or not its leader still
+# lives, so the vLLM engine processes of a worker whose API server died are
+# stopped too -- then SIGKILL after the grace period (default 30 s). It waits
+# until each group is empty and says what it stopped. Exit status 0 when
+# nothing is left running, 1 otherwise (the pid file is then kept).
 set -uo pipefail
-run=run
+run=run; grace=30
 while [[ $# -gt 0 ]]; do
   case $1 in
     -d) run=$2; shift 2 ;;
-    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+    -t) grace=$2; shift 2 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+[[ $grace =~ ^[0-9]+$ ]] || { echo "error: -t must be a whole number of seconds, got '$grace'" >&2; exit 2; }
 [[ -f $run/pids ]] || { echo "nothing to stop: no $run/pids"; exit 0; }
-stop() {  # pid what
-  local pid=$1 what=$2
-  kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid"
-    echo "killed $what (pid $pid) after 30 s"
+alive() { kill -0 -- "-$1" 2>/dev/null; }            # any process left in group $1
+members() { pgrep -g "$1" 2>/dev/null | wc -l; }
+wait_empty() {  # pgid seconds
+  local end=$((SECONDS + $2))
+  while alive "$1" && ((SECONDS < end)); do sleep 0.2; done
+  ! alive "$1"
+}
+stop() {  # pgid what
+  local g=$1 what=$2 n
+  if ! alive "$g"; then echo "$what (group $g): not running"; return 0; fi
+  n=$(members "$g")
+  kill -TERM -- "-$g" 2>/dev/null
+  if wait_empty "$g" "$grace"; then
+    echo "stopped $what (group $g, $n processes)"
   else
-    echo "stopped $what (pid $pid)"
+    kill -KILL -- "-$g" 2>/dev/null
+    if wait_empty "$g" 10; then
+      echo "killed $what (group $g, $n processes) after ${grace} s"
+    else
+      echo "error: $what (group $g) still has processes: $(pgrep -g "$g" | tr '\n' ' ')" >&2
+    fi
   fi
-  # the group's leftovers (vLLM engine-core processes), if any
-  kill -KILL -- "-$pid" 2>/dev/null || true
 }
 # the dispatcher first, so that no new request reaches a stopping worker
-awk '$2 == "dispatcher"' "$run/pids" | while read -r pid role i port; do stop "$pid" "$role"; done
-awk '$2 != "dispatcher"' "$run/pids" | while read -r pid role i port; do stop "$pid" "$role worker $i"; done
+while read -r pid role i port; do stop "$pid" "$role"; done < <(awk '$2 == "dispatcher"' "$run/pids")
+while read -r pid role i port; do stop "$pid" "$role worker $i"; done < <(awk '$2 != "dispatcher"' "$run/pids")
 left=0
 while read -r pid role i port; do
-  kill -0 "$pid" 2>/dev/null && { echo "still running: $role $i (pid $pid)" >&2; left=1; }
+  alive "$pid" && { echo "still running: $role $i (group $pid)" >&2; left=1; }
 done < "$run/pids"
 ((left)) || rm -f "$run/pids"
 exit $left
