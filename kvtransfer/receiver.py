@@ -558,7 +558,7 @@ class KVReceiver:
         try:
             msg = wire.decode(body, SENDER_KINDS, self.max_message_bytes)
         except WireError as e:
-            self._reject(peer, e.reason, str(e), e.xfer, fail=True)
+            self._reject(peer, e.reason, e.detail, e.xfer, fail=True)
             return
         kind = msg.kind
         if kind == "kv":
@@ -575,12 +575,12 @@ class KVReceiver:
         """Count and log a rejected message; ``nack`` its sender about ``xfer``; with
         ``fail``, also fail ``xfer`` -- only if ``peer`` owns it (or it is new and
         there is room to record the failure)."""
-        log_reject("receiver", self.stats.reject(reason), detail, repr(peer))
+        log_reject("receiver", self.stats.reject(reason), f"{reason}: {detail}", repr(peer))
         if xfer is None:
             return
         if fail:
-            self._fail(peer, xfer, f"chunk rejected ({detail})")
-        self._nack(peer, xfer, f"rejected: {detail}")
+            self._fail(peer, xfer, f"chunk rejected ({reason}: {detail})")
+        self._nack(peer, xfer, f"rejected: {reason}: {detail}")
 
     def _fail(self, peer: bytes, x: str, error: str) -> None:
         t = self._open.get(x)
@@ -590,10 +590,8 @@ class KVReceiver:
             return
         if self._closed_state(x) is not None:
             return
-        if self._room():
-            self._finish(x, None, False, error, "failed", owner=peer)  # wait() fails fast
-        else:
-            self._close_id(x, "failed", peer)
+        # with room, a result makes wait() fail fast; without, the id is remembered only
+        self._finish(x, None, False, error, "failed", owner=peer, store=self._room())
 
     def _room(self) -> bool:
         return len(self._open) + len(self._results) < self.max_open_transfers
@@ -752,10 +750,7 @@ class KVReceiver:
             return
         closed = self._closed_state(x)
         if closed is None:  # nothing arrived for it (yet): remember, so late chunks are refused
-            if self._room():
-                self._finish(x, None, False, error, "aborted", owner=peer)
-            else:
-                self._close_id(x, "aborted", peer)
+            self._finish(x, None, False, error, "aborted", owner=peer, store=self._room())
             return
         how, owner = closed
         if owner is not None and owner != peer:

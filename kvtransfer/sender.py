@@ -637,6 +637,7 @@ class KVSender:
         if tx is not None:
             if dest is not None and dest != tx.channel.address:
                 raise ValueError(f"transfer {xfer_id!r} already goes to {tx.channel.address}, not {dest}")
+            self._pump(tx.channel)  # a nack may be waiting: then fail now, sending nothing more
             self._check_usable(tx)
             if tx.state != "open":
                 raise TransferError(f"transfer {xfer_id!r} is already finishing")

@@ -91,16 +91,20 @@ Errors: ``TransferError``, ``TransferTimeout`` (also a ``TimeoutError``), ``Wire
 """
 from __future__ import annotations
 
-from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CREDIT_BYTES, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES,
-                     DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD, Stats, TransferError, TransferTimeout, free_port,
-                     normalize_dtype)
-from .receiver import ChunkData, KVReceiver, LayerData, TransferResult
+from .auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
+from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_CREDIT_BYTES, DEFAULT_HOST,
+                     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD, DestinationUnavailable, Stats,
+                     TransferError, TransferTimeout, free_port, normalize_dtype)
+from .receiver import (DEFAULT_MAX_HELD_BYTES, DEFAULT_MAX_OPEN_TRANSFERS, DEFAULT_MAX_PEER_BYTES,
+                       DEFAULT_RESULT_TTL_S, DEFAULT_STALE_AFTER_S, ChunkData, KVReceiver, LayerData, TransferResult)
 from .sender import KVSender, SendResult, plan_chunks
 from .wire import DTYPES, WireError
 
 __all__ = [
     "KVSender", "KVReceiver", "SendResult", "TransferResult", "LayerData", "ChunkData",
-    "TransferError", "TransferTimeout", "WireError", "Stats", "DTYPES", "plan_chunks", "normalize_dtype",
-    "free_port", "DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S",
-    "DEFAULT_HOST", "MESSAGE_OVERHEAD",
+    "TransferError", "TransferTimeout", "DestinationUnavailable", "WireError", "Stats", "DTYPES", "plan_chunks",
+    "normalize_dtype", "free_port", "ServerKeys", "ClientKeys", "KeysError", "generate_keys", "is_loopback",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S",
+    "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_HOST", "MESSAGE_OVERHEAD", "DEFAULT_MAX_HELD_BYTES",
+    "DEFAULT_MAX_PEER_BYTES", "DEFAULT_MAX_OPEN_TRANSFERS", "DEFAULT_STALE_AFTER_S", "DEFAULT_RESULT_TTL_S",
 ]
