@@ -107,10 +107,6 @@ class _Sent(Exception):
         self.timeout = error.timeout
 
 
-class _ClientGone(Exception):
-    """Internal: the client disconnected while its request was running."""
-
-
 class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, keys: dict[str, KeyEntry] | None = None):
         cfg.validate()
@@ -345,8 +341,8 @@ class Dispatcher:
                 if r.status != 200:
                     raise _http_error(w, r.status, await r.read())
                 async for line in r.content:
-                    w.last_progress = monotonic()
                     if line.startswith(b"data:"):
+                        w.last_progress = monotonic()
                         data = line[5:].strip()
                         if data == b"[DONE]":
                             break
@@ -572,11 +568,47 @@ def _body_left(headers) -> bool:
         return True
 
 
-async def _client_gone(receive) -> None:
-    """Returns when the client disconnects (the body was read: nothing else can come)."""
-    while True:
-        if (await receive())["type"] == "http.disconnect":
-            return
+class _DisconnectWatch:
+    """While armed, cancels the task that made it when the client disconnects (``gone``
+    is then True). Used while a request waits for its first chunk (an unstreamed request:
+    its whole answer), so that a client that went away cancels the upstream call; once
+    streaming, Starlette's StreamingResponse watches for the disconnect itself.
+
+    The watching task starts only after ``grace_s``: most requests that finish sooner
+    never need one (a disconnect before that is seen as soon as it starts). :meth:`disarm`
+    must be called right after the awaited call returns (no await in between), so that a
+    disconnect after that point cancels nothing."""
+
+    __slots__ = ("task", "gone", "armed", "_receive", "_timer", "_watcher")
+
+    def __init__(self, receive, grace_s: float = 0.05):
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.armed = True
+        self._receive = receive
+        self._watcher: asyncio.Task | None = None
+        self._timer = asyncio.get_running_loop().call_later(grace_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        if self.armed:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        # the body was read: the next message is the disconnect (or the end of the response)
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if self.armed:
+            self.gone = True
+            self.task.cancel()
+
+    def disarm(self) -> None:
+        if self.armed:
+            self.armed = False
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._watcher is not None:
+                self._watcher.cancel()
 
 
 class _EventStream(StreamingResponse):
@@ -673,29 +705,6 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
         except ValueError as e:   # UnicodeDecodeError included
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
-    async def first_event(request: Request, agen, deadline: float):
-        """The first (time, chunk) of ``agen`` (the whole answer, unstreamed), while watching for
-        the client going away (_ClientGone: the upstream call is cancelled) and the deadline."""
-        nxt = asyncio.ensure_future(agen.__anext__())
-        gone = asyncio.ensure_future(_client_gone(request.receive))
-        try:
-            done, _ = await asyncio.wait((nxt, gone), timeout=deadline - asyncio.get_running_loop().time(),
-                                         return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:   # cancelled ourselves
-            nxt.cancel()
-            gone.cancel()
-            raise
-        gone.cancel()
-        if nxt in done:
-            return nxt.result()
-        nxt.cancel()
-        await asyncio.wait((nxt,))       # until the upstream call is closed
-        if not nxt.cancelled():
-            nxt.exception()              # retrieved: it ended some other way while cancelled
-        if gone in done:
-            raise _ClientGone()
-        raise TimeoutError
-
     async def serve(request: Request, path: str):
         arrival = time.time()
         headers = request.headers
@@ -731,6 +740,9 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
             except ClientDisconnect:
                 M.requests.labels("-", "cancelled").inc()
                 return Response(status_code=499)   # nobody reads it (nginx's "client closed request")
+            except RecursionError:                 # a deeply nested body that json.loads took
+                M.requests.labels("-", "client_error").inc()
+                return error(ApiError(400, "the request body is nested too deeply"))
             except Exception:
                 logger.exception("unexpected error admitting a request to %s", path)
                 M.requests.labels("-", "internal_error").inc()
@@ -749,10 +761,13 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
 
             deadline = asyncio.get_running_loop().time() + D.cfg.request_timeout_s
             agen = D.events(job)
+            watch = _DisconnectWatch(request.receive)
             try:
                 # until the first chunk (or the whole unstreamed response), so that errors
                 # found before anything is sent get a proper HTTP status
-                t, first = await first_event(request, agen, deadline)
+                async with asyncio.timeout_at(deadline):
+                    t, first = await agen.__anext__()
+                watch.disarm()
                 D.count_tokens(job, t, first)
                 if not job.stream:
                     _strip(job, first)
@@ -782,17 +797,21 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 msg = f"no response within {D.cfg.request_timeout_s:g} s"
                 end("timeout", msg)
                 return error(ApiError(504, msg))
-            except _ClientGone:
-                end("cancelled", "client went away")
-                return Response(status_code=499)   # nobody reads it (nginx's "client closed request")
+            except RecursionError:   # e.g. forwarding a deeply nested body
+                end("client_error", "nested too deeply")
+                return error(ApiError(400, "the request body is nested too deeply"))
             except asyncio.CancelledError:
                 end("cancelled", "client went away")
-                raise
+                if not watch.gone:
+                    raise
+                asyncio.current_task().uncancel()   # our own doing: the upstream call is closed
+                return Response(status_code=499)   # nobody reads it (nginx's "client closed request")
             except Exception as e:
                 logger.exception("request %s: unexpected error", job.id)
                 end("internal_error", f"{type(e).__name__}: {e}")
                 return error(ApiError(500, f"internal error ({type(e).__name__})"))
             finally:
+                watch.disarm()
                 if not handed_over:
                     await agen.aclose()
         finally:

@@ -240,6 +240,15 @@ def test_every_error_is_openai_json():
             assert r.status_code == 404 and is_openai_error(r.json(), 404)
             r = await h.http.get("/v1/completions")
             assert r.status_code == 405 and is_openai_error(r.json(), 405)
+            # a body that parsed but is too deep for the checks after (RecursionError there): 400 too
+            real_admit = h.d.admit
+
+            async def too_deep(*a):
+                raise RecursionError("maximum recursion depth exceeded")
+            h.d.admit = too_deep
+            r = await h.post("/v1/completions", body())
+            assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+            h.d.admit = real_admit
             # the dispatcher still serves
             assert (await h.post("/v1/completions", body())).status_code == 200
             m = await h.metrics()
@@ -588,3 +597,13 @@ def test_cli_flags_set_the_new_knobs(tmp_path):
     d = DispatcherConfig()
     assert (d.max_concurrent, d.max_concurrent_per_key, d.stream_idle_timeout_s, d.request_timeout_s,
             d.max_body_mb) == (1024, 256, 60.0, 600.0, 16.0)
+
+
+def test_cli_names_a_missing_worker_key_file(tmp_path):
+    import subprocess
+    import sys
+    missing = tmp_path / "nope.key"
+    p = subprocess.run([sys.executable, "-m", "dispatcher", "--prefill", "http://a:1", "--decode",
+                        "http://b:2=tcp://c:3", "--worker-key-file", str(missing)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2 and f"worker key file {missing}: cannot read" in p.stderr, p.stderr
