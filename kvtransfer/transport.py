@@ -1,51 +1,135 @@
 """Engine-agnostic ZeroMQ KV-cache transport: :class:`KVSender` and :class:`KVReceiver`.
 
 Wire format: see :mod:`kvtransfer.wire` (msgpack header + raw tensor frames; no
-pickle anywhere).
+pickle anywhere). Keys and addresses: see :mod:`kvtransfer.auth`.
 
 Sockets
 -------
 The receiver binds one ``ROUTER`` socket; every sender connects a ``DEALER``
-(one per destination address, with a unique routing id per socket). ROUTER/DEALER
-was chosen over PUSH/PULL + a separate ack socket because the control traffic
-(flow-control credit, ``ack``/``nack``) flows back on the *same* connection: no
-second port to allocate, advertise and firewall, no race between "data arrived"
-and "ack socket connected", and the ROUTER's routing id tells the receiver which
-sender a chunk came from, so one receiver serves any number of senders and a
-sender only ever sees answers about its own transfers. Messages on one
-connection are ordered, so when ``done`` arrives every earlier chunk of that
-transfer has either been received or was lost/rejected -- counting is enough to
-detect truncation.
+(one per destination address, with an unguessable routing id per socket).
+ROUTER/DEALER was chosen over PUSH/PULL + a separate ack socket because the
+control traffic (flow-control credit, ``ack``/``nack``) flows back on the
+*same* connection: no second port to allocate, advertise and firewall, no race
+between "data arrived" and "ack socket connected", and the ROUTER's routing id
+tells the receiver which sender a chunk came from, so one receiver serves any
+number of senders and a sender only ever sees answers about its own transfers.
+Messages on one connection are ordered, so when ``done`` arrives every earlier
+chunk of that transfer has either been received or was lost/rejected --
+counting is enough to detect truncation.
+
+Ownership: the connection (routing id) that sends the first message naming a
+transfer id owns it; a ``kv``, ``done`` or ``abort`` for it from any other
+connection is rejected (``rejected["peer_mismatch"]``, ``nack`` to that
+connection) and never touches the transfer or its stored result, also after it
+completed. With CURVE only authenticated senders can connect at all.
+
+Security
+--------
+``KVReceiver(curve=ServerKeys.load(dir))`` makes the ROUTER a CURVE server
+(encryption + authentication) with a ZAP authenticator (its own
+``zmq.Context``) that admits only the client public keys in ``dir/clients/``;
+``KVSender(curve=ClientKeys.load(dir))`` makes every DEALER a CURVE client that
+also checks the receiver's server key. A failed handshake is counted on both
+sides (receiver ``auth_failures`` / ``handshake_failures``; the sender fails the
+transfer at once with a message naming the likely key problem). Without keys
+the receiver refuses to bind, and the sender to send to, anything that is not
+loopback/ipc (:func:`kvtransfer.auth.is_loopback`) unless ``allow_insecure`` /
+``allow_insecure_remote`` is passed. Keys: ``python -m kvtransfer.keys DIR``.
 
 Flow control
 ------------
 Credit-based, in bytes, per connection; chosen over ZeroMQ high-water marks
 because HWMs count messages, not bytes, apply per pipe on *both* ends (so the
 real bound is their sum, plus kernel buffers), and a blocked HWM send cannot be
-told apart from a dead peer. Here the HWMs are unlimited and credit is the one
-bound. A new DEALER sends ``hello``; the receiver answers with
-``credit(init=True, bytes=credit_bytes, max_message=...)``, the window
+told apart from a dead peer. A new DEALER sends ``hello``; the receiver answers
+with ``credit(init=True, bytes=credit_bytes, max_message=...)``, the window
 (default 64 MiB). Every payload-carrying message costs ``len(payload) +
-MESSAGE_OVERHEAD`` bytes of credit; the sender blocks (each wait bounded by a
-timeout, raising :class:`TransferTimeout`) when a chunk would exceed its
-remaining credit. The receiver returns credit after a chunk has been
+MESSAGE_OVERHEAD`` bytes of credit; the sender blocks (bounded by the
+transfer's deadline, raising :class:`TransferTimeout`) when a chunk would
+exceed its remaining credit. The receiver returns credit after a chunk has been
 *consumed* (handed to the ``on_chunk`` callback, which has returned, or
 stored) -- whatever became of it, malformed messages included -- in batches
 of at least a quarter window (one small control message per ~16 MiB, not per
 chunk). Chunks are clamped to half the window (and to the receiver's
 ``max_message``), so credit held back in a batch (< 1/4) can never starve the
-sender. So at most ``credit_bytes`` of unconsumed data per sender sits in
-ZeroMQ queues on either side, whatever the network or the receiver do; a
-stalled receiver stalls the sender instead of growing memory. The receiver's
-*accumulated* results (default mode) are bounded separately by
-``max_held_bytes``, stale partial transfers are dropped after
-``stale_after_s`` and uncollected results after ``result_ttl_s``.
+sender. So a well-behaved sender has at most ``credit_bytes`` of unconsumed
+data in ZeroMQ queues on either side, whatever the network or the receiver
+do; a stalled receiver stalls the sender instead of growing memory. The
+HWMs below are only a backstop against senders that ignore credit.
 
-Liveness: when a wait times out and the channel has not heard anything from the
-receiver since the wait began, the sender closes that DEALER (dropping what is
-queued), fails the other transfers that were in flight on it, and opens a fresh
-one (new routing id, new ``hello``), so a restarted receiver on the same address
-is picked up and a new transfer can proceed.
+Bounds (receiver)
+-----------------
+Each a ``KVReceiver`` argument; the ZeroMQ options are derived from them:
+
+* ``max_open_transfers`` (1024): open transfers + stored uncollected results
+  (a ``done`` for an unseen id, i.e. a transfer with no layers, counts too);
+  beyond it a message starting a new one is refused (``nack``,
+  ``rejected["too_many_transfers"]``). The ids of closed transfers (to refuse
+  late chunks) are remembered in an LRU of ``max(4096, 8 *
+  max_open_transfers)`` entries.
+* ``max_held_bytes`` (2 GiB) total and ``max_peer_bytes`` (1 GiB) per
+  connection of received, uncollected payload: a chunk over either fails its
+  transfer (``receiver_full`` / ``peer_full``), others are unaffected.
+* ``stale_after_s`` (30): an open transfer with no data that long fails;
+  ``result_ttl_s`` (120): an uncollected result is dropped. Records of
+  connections idle that long are forgotten (after returning any credit held
+  back for them).
+* ``max_message_bytes`` (64 MiB): header + payload of one message, checked in
+  Python; ``ZMQ_MAXMSGSIZE = max_message_bytes + wire.MAX_HEADER_BYTES`` (a
+  per-frame limit: libzmq drops a connection that sends a bigger frame before
+  it is ever buffered whole). Frames beyond the third of a message are
+  dropped as they are read.
+* ``ZMQ_RCVHWM`` per connection ``= credit_bytes // MESSAGE_OVERHEAD + 2 *
+  max_open_transfers + 64``: a well-behaved sender never has more than
+  ``credit_bytes / MESSAGE_OVERHEAD`` payload messages in flight, plus about
+  two control messages (``done``/``abort``) per transfer and a ``hello``; a
+  peer flooding control messages (which cost no credit) is pushed back by
+  ZeroMQ/TCP (inbound messages are never dropped at the HWM; libzmq stops
+  reading that connection) instead of growing memory.
+* ``ZMQ_SNDHWM`` per connection ``= 4 * max_open_transfers + 64``: replies
+  (credit, ack, nack) to a peer that stops reading are dropped beyond that
+  (``send_failures``) instead of queueing without bound.
+
+What remains unbounded by these options is libzmq's own: a connection can
+hold up to ``RCVHWM`` messages of up to ``MAXMSGSIZE`` each in its queue if it
+ignores credit and the receiver thread cannot keep up (in practice the thread
+discards such messages as fast as they arrive), and a single multipart message
+is buffered whole by libzmq before delivery whatever its frame count. CURVE
+(only admitted keys can connect) is the answer to both.
+
+Liveness (receiver)
+-------------------
+One background thread owns the ROUTER; no message can end it: each message,
+command and periodic task runs guarded (an unexpected exception is counted as
+``internal_errors``, logged rate-limited, and the message dropped), every
+transfer id a reply names is a validated one. ``KVReceiver.alive`` and
+``KVReceiver.heartbeat`` (monotonic time of the thread's last loop; it goes
+round at least every 100 ms) tell whether it runs; with ``heartbeat_path`` it
+writes ``{"time", "pid", "address", "name", "closed", "stats"}`` as JSON to
+that file about once a second (tmp + rename), for a health check in another
+process. Gauges in ``stats`` (refreshed with it): ``held_bytes``,
+``open_transfers``, ``stored_results``, ``peers``.
+
+Deadlines and the circuit breaker (sender)
+------------------------------------------
+A transfer gets one deadline when it starts (``begin`` or its first
+``send_layer``): ``now + timeout``; every later call for it waits at most until
+then (a per-call ``timeout`` can only shorten it). Once it failed (timeout,
+``nack``, reset, refused), every later call for that id raises the stored
+error at once -- a dead receiver costs one wait per transfer, not one per
+layer -- until the caller finishes or aborts it (``MAX_FAILED_KEPT`` = 4096
+failed ids are remembered). A new connection must get its credit grant within
+``connect_timeout`` (2 s). Per destination address a circuit breaker opens
+after a connect timeout, a transfer timeout with nothing heard from the
+receiver for at least ``connect_timeout``, a connection reset, or a failed
+handshake (the last two seen through a ZeroMQ socket monitor on the DEALER):
+the DEALER is dropped (with what it queued), its transfers fail, and for
+``breaker_cooldown_s`` (2 s, doubling per consecutive failure up to
+``breaker_max_cooldown_s`` = 30 s) a new transfer to it raises
+:class:`DestinationUnavailable` at once. Then one transfer is let through on a
+fresh DEALER (half-open; others are refused meanwhile); its credit grant closes
+the breaker, a failure reopens it. ``KVSender.destinations()`` /
+``destination_ok(addr)`` report the state.
 
 Acks
 ----
@@ -59,7 +143,8 @@ Performance (``scripts/bench_kv_transport.py``, 2-core VM, both ends in
 separate processes): >= 80 % of raw ZeroMQ PUSH/PULL in the same message sizes
 for 16 MB and 256 MB requests (32 layers each) over tcp and ipc; per-message
 Python costs (~10 us sender, ~20 us receiver) dominate with small messages
-(1 MB requests = 32 KB layers: ~50 %).
+(1 MB requests = 32 KB layers: ~50 %). ``--curve`` adds kvtransfer with CURVE
+encryption to the same run.
 
 Threads and copies
 ------------------
@@ -76,18 +161,26 @@ buffer is reused only after ZeroMQ released it.
 
 Public API (re-exported here)
 -----------------------------
-``KVSender(address=None, *, chunk_bytes, timeout, staging_slots, ctx, name)``
+``KVSender(address=None, *, chunk_bytes, timeout=30.0, connect_timeout=2.0, breaker_cooldown_s=2.0,
+breaker_max_cooldown_s=30.0, staging_slots=2, curve: ClientKeys | None = None, allow_insecure_remote=False,
+ctx=None, name=None)``
+    ``begin(xfer_id, dest=None)``,
     ``send_layer(xfer_id, layer, blocks, data, dtype=None, shape=None, *, dest=None, timeout=None) -> int``,
-    ``finish(xfer_id, timeout=None) -> SendResult``, ``finish_async(xfer_id, timeout=None)``,
+    ``finish(xfer_id, timeout=None, *, digest="") -> SendResult``,
+    ``finish_async(xfer_id, timeout=None, *, digest="")``,
     ``poll_finished() -> {xfer_id: SendResult | TransferError}``, ``abort(xfer_id, reason)``,
-    ``begin(xfer_id, dest=None)``, ``connect(dest=None)``, ``pending()``, ``close()``, ``stats``.
-``KVReceiver(address=None, *, port=0, on_chunk=None, credit_bytes, max_message_bytes, max_held_bytes,
-stale_after_s, result_ttl_s, ctx, name)``
+    ``destinations() -> {addr: {state, failures, last_error, open_until, connected, inflight_bytes}}``,
+    ``destination_ok(addr=None) -> bool``, ``connect(dest=None)``, ``pending()``, ``close()``, ``stats``.
+``KVReceiver(address=None, *, port=0, on_chunk=None, credit_bytes, max_message_bytes=64 MiB,
+max_held_bytes=2 GiB, max_peer_bytes=1 GiB, max_open_transfers=1024, stale_after_s=30.0, result_ttl_s=120.0,
+curve: ServerKeys | None = None, allow_insecure=False, heartbeat_path=None, ctx=None, name=None)``
     ``address``, ``wait(xfer_id, timeout=None, *, drop_on_timeout=False) -> TransferResult``,
-    ``ready(xfer_id)``, ``completed()``, ``discard(xfer_id)``, ``close()``, ``stats``.
-``TransferResult(xfer_id, ok, error, chunks, nbytes, layers, elapsed_s)`` with
+    ``ready(xfer_id)``, ``completed()``, ``discard(xfer_id)``, ``alive``, ``heartbeat``, ``close()``,
+    ``stats`` (:class:`Stats`; ``snapshot()`` -> dict).
+``TransferResult(xfer_id, ok, error, chunks, nbytes, layers, elapsed_s, digest)`` with
 ``layers[layer]: LayerData`` (``array()``, ``tensor()``, ``tobytes()``, ``blocks``, ``chunks``).
-Errors: ``TransferError``, ``TransferTimeout`` (also a ``TimeoutError``), ``WireError``.
+Errors: ``TransferError``, ``TransferTimeout`` (also a ``TimeoutError``), ``DestinationUnavailable``,
+``WireError``. Keys: ``ServerKeys``, ``ClientKeys``, ``KeysError``, ``generate_keys``, ``is_loopback``.
 """
 from __future__ import annotations
 
