@@ -21,14 +21,18 @@ noise hits all columns alike):
   drains and an ack round trip is paid for every request);
 * ``kv acc``: like ``kv``, but the receiver accumulates the chunks and ``wait``
   hands them over (then they are dropped): this one pays for fresh memory on the
-  receiver (page faults), which the raw receiver, freeing each message, doesn't.
+  receiver (page faults), which the raw receiver, freeing each message, doesn't;
+* ``kv curve`` (with ``--curve``): like ``kv``, over a CURVE-encrypted and
+  authenticated connection (``KVReceiver(curve=ServerKeys)``,
+  ``KVSender(curve=ClientKeys)``, keys generated for the run): the cost of
+  encryption, measured in the same run as the rest.
 
 Each timing runs from the sender's first send to the last confirmation it
 receives; every cell is the median of ``--reps`` repetitions (after one warm-up);
 ratios are against ``raw``: the median over repetitions of raw time / kv time
 of the same repetition. Target: ``kv`` >= 80 % of raw at 16 MB and above.
 
-    python scripts/bench_kv_transport.py [--reps 5] [--sizes-mb 1 16 256] [--transports tcp ipc]
+    python scripts/bench_kv_transport.py [--reps 5] [--sizes-mb 1 16 256] [--transports tcp ipc] [--curve]
 """
 from __future__ import annotations
 
@@ -58,15 +62,16 @@ def _plan(size: int, layers: int, chunk: int, min_total: int) -> dict:
 
 
 MODES = ["raw", "rawreq", "kv", "sync", "acc"]
+CURVE_MODE = "curve"
 
 
-def _modes(reps: int) -> list[str]:
-    return MODES * (reps + 1)  # the first round is the warm-up
+def _modes(modes: list[str], reps: int) -> list[str]:
+    return modes * (reps + 1)  # the first round is the warm-up
 
 
-def receiver_main(addrs: dict, plan: dict, reps: int, credit: int, q) -> None:
+def receiver_main(addrs: dict, plan: dict, reps: int, credit: int, modes: list[str], keys: str | None, q) -> None:
     import zmq
-    from kvtransfer.transport import KVReceiver
+    from kvtransfer.transport import KVReceiver, ServerKeys
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(addrs["raw"])
@@ -74,36 +79,44 @@ def receiver_main(addrs: dict, plan: dict, reps: int, credit: int, q) -> None:
     back.connect(addrs["raw_ack"])
     rx = KVReceiver(addrs["kv"], credit_bytes=credit, ctx=ctx, on_chunk=lambda *chunk: None)
     rx_acc = KVReceiver(addrs["kv_acc"], credit_bytes=credit, ctx=ctx)
+    # CURVE needs the receiver's own context (ZAP is per context)
+    rx_curve = (KVReceiver(addrs["kv_curve"], credit_bytes=credit, on_chunk=lambda *chunk: None,
+                           curve=ServerKeys.load(keys)) if keys else None)
     q.put("ready")
-    for i, mode in enumerate(_modes(reps)):
+    for i, mode in enumerate(_modes(modes, reps)):
         if mode in ("raw", "rawreq"):
             for _ in range(plan["msgs"] if mode == "raw" else plan["requests"]):
                 pull.recv(copy=False)
             back.send(b"ok")
         else:
-            r_ = rx_acc if mode == "acc" else rx
+            r_ = {"acc": rx_acc, CURVE_MODE: rx_curve}.get(mode, rx)
             for r in range(plan["requests"]):
                 res = r_.wait(f"{mode}-{i}-{r}", timeout=120)
                 assert res.ok and res.nbytes == plan["layers"] * plan["layer_bytes"], res.error
                 del res
-    q.put({"kv": rx.stats.snapshot(), "acc": rx_acc.stats.snapshot()})
+    q.put({"kv": rx.stats.snapshot(), "acc": rx_acc.stats.snapshot(),
+           "curve": rx_curve.stats.snapshot() if rx_curve else {"rejected_total": 0}})
     rx.close()
     rx_acc.close()
+    if rx_curve:
+        rx_curve.close()
     pull.close(0)
     back.close(0)
     ctx.term()
 
 
-def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, q) -> None:
+def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, modes: list[str], keys: str | None, q) -> None:
     import numpy as np
     import zmq
-    from kvtransfer.transport import KVSender
+    from kvtransfer.transport import ClientKeys, KVSender
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(addrs["raw"])
     back = ctx.socket(zmq.PULL)
     back.bind(addrs["raw_ack"])
     tx = KVSender(addrs["kv"], chunk_bytes=chunk, timeout=120, ctx=ctx)
+    tx_curve = (KVSender(addrs["kv_curve"], chunk_bytes=chunk, timeout=120, ctx=ctx, curve=ClientKeys.load(keys))
+                if keys else None)
     # the "KV cache": one fp16 array per layer, [blocks, 2, 16, 8, 128]-like rows
     row = 2 * 16 * 8 * 128 * 2
     lb = plan["layer_bytes"]
@@ -119,10 +132,12 @@ def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, q) -> None:
         raw_msgs += [flat[o:o + plan["msg"]] for o in range(0, flat.nbytes, plan["msg"])]
     assert len(raw_msgs) * plan["requests"] == plan["msgs"]
     whole = np.concatenate([a.reshape(-1).view(np.uint8) for a in kv])  # one request as one message
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     tx.connect(addrs["kv"])
     tx.connect(addrs["kv_acc"])
-    for i, mode in enumerate(_modes(reps)):
+    if tx_curve:
+        tx_curve.connect()
+    for i, mode in enumerate(_modes(modes, reps)):
         t0 = time.perf_counter()
         if mode == "raw":
             for _ in range(plan["requests"]):
@@ -135,46 +150,52 @@ def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, q) -> None:
             back.recv()
         else:
             dest = addrs["kv_acc"] if mode == "acc" else addrs["kv"]
+            sender = tx_curve if mode == CURVE_MODE else tx
+            if mode == CURVE_MODE:
+                dest = None
             for r in range(plan["requests"]):
                 x = f"{mode}-{i}-{r}"
                 for l, a in enumerate(kv):
-                    tx.send_layer(x, l, range(a.shape[0]) if a.ndim > 1 else [], a, dest=dest)
+                    sender.send_layer(x, l, range(a.shape[0]) if a.ndim > 1 else [], a, dest=dest)
                 if mode == "sync":
-                    tx.finish(x, timeout=120)
+                    sender.finish(x, timeout=120)
                 else:
-                    tx.finish_async(x, timeout=120)
+                    sender.finish_async(x, timeout=120)
             if mode != "sync":
                 pending = plan["requests"]
                 while pending:
-                    for x, out in tx.poll_finished().items():
+                    for x, out in sender.poll_finished().items():
                         if isinstance(out, Exception):
                             raise out
                         pending -= 1
                     if pending:
                         time.sleep(0.0002)
         dt = time.perf_counter() - t0
-        if i >= len(MODES):
+        if i >= len(modes):
             times[mode].append(dt)
     q.put((times, tx.stats.snapshot()))
     tx.close()
+    if tx_curve:
+        tx_curve.close()
     push.close(0)
     back.close(0)
     ctx.term()
 
 
-def run_case(transport: str, size: int, args, tmp: str) -> dict:
+def run_case(transport: str, size: int, args, tmp: str, modes: list[str], keys: str | None) -> dict:
     from kvtransfer.transport import free_port
     plan = _plan(size, args.layers, args.chunk_bytes, args.min_total_mb * MB)
+    names = ("raw", "raw_ack", "kv", "kv_acc", "kv_curve")
     if transport == "tcp":
-        addrs = {k: f"tcp://127.0.0.1:{free_port()}" for k in ("raw", "raw_ack", "kv", "kv_acc")}
+        addrs = {k: f"tcp://127.0.0.1:{free_port()}" for k in names}
     else:
-        addrs = {k: f"ipc://{tmp}/{k}-{size}.sock" for k in ("raw", "raw_ack", "kv", "kv_acc")}
+        addrs = {k: f"ipc://{tmp}/{k}-{size}.sock" for k in names}
     spawn = mp.get_context("spawn")
     q_rx, q_tx = spawn.Queue(), spawn.Queue()
-    rxp = spawn.Process(target=receiver_main, args=(addrs, plan, args.reps, args.credit_mb * MB, q_rx))
+    rxp = spawn.Process(target=receiver_main, args=(addrs, plan, args.reps, args.credit_mb * MB, modes, keys, q_rx))
     rxp.start()
     assert q_rx.get(timeout=60) == "ready"
-    txp = spawn.Process(target=sender_main, args=(addrs, plan, args.reps, args.chunk_bytes, q_tx))
+    txp = spawn.Process(target=sender_main, args=(addrs, plan, args.reps, args.chunk_bytes, modes, keys, q_tx))
     txp.start()
     times, tx_stats = q_tx.get(timeout=1800)
     rx_stats = q_rx.get(timeout=60)
@@ -199,6 +220,8 @@ def main() -> None:
     ap.add_argument("--credit-mb", type=int, default=None, help="receiver credit window (default: transport's)")
     ap.add_argument("--min-total-mb", type=int, default=512,
                     help="bytes per repetition: requests are repeated up to this (default 512)")
+    ap.add_argument("--curve", action="store_true",
+                    help="also measure kvtransfer over CURVE (encrypted, authenticated) in the same run")
     args = ap.parse_args()
     from kvtransfer import transport as T
     if args.chunk_mb:
@@ -208,27 +231,39 @@ def main() -> None:
     args.credit_mb = args.credit_mb or T.DEFAULT_CREDIT_BYTES // MB
     print(f"kvtransfer vs raw ZeroMQ PUSH/PULL; {os.cpu_count()} CPUs; chunk {args.chunk_bytes / MB:g} MiB, "
           f"credit {args.credit_mb} MiB, {args.layers} layers/request, median of {args.reps} reps")
+    modes = MODES + ([CURVE_MODE] if args.curve else [])
     hdr = (f"{'transport':9} {'request':>8} {'msg':>7} {'reqs':>5} {'raw GB/s':>8} {'raw/req':>7} "
-           f"{'kv':>6} {'ratio':>6} {'kv sync':>7} {'ratio':>6} {'kv acc':>6} {'ratio':>6}")
+           f"{'kv':>6} {'ratio':>6} {'kv sync':>7} {'ratio':>6} {'kv acc':>6} {'ratio':>6}"
+           + (f" {'kv curve':>8} {'ratio':>6} {'vs kv':>6}" if args.curve else ""))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench") as tmp:
+        keys = None
+        if args.curve:
+            from kvtransfer.auth import generate_keys
+            keys = os.path.join(tmp, "keys")
+            generate_keys(keys)
         for transport in args.transports:
             for smb in args.sizes_mb:
-                r = run_case(transport, int(smb * MB), args, tmp)
+                r = run_case(transport, int(smb * MB), args, tmp, modes, keys)
                 p, g = r["plan"], r["gbs"]
-                rows.append((transport, smb, p, g, r["ratio"]))
-                print(f"  ... {transport} {smb:g} MB: " + ", ".join(f"{m} {g[m]:.2f}" for m in MODES) +
-                      f" GB/s (rx rejected {r['rx']['kv']['rejected_total'] + r['rx']['acc']['rejected_total']},"
-                      f" sender credit waits {r['tx']['credit_waits']})", flush=True)
+                rows.append((transport, smb, p, g, r["ratio"], r["times"]))
+                rejected = sum(r["rx"][k]["rejected_total"] for k in ("kv", "acc", "curve"))
+                print(f"  ... {transport} {smb:g} MB: " + ", ".join(f"{m} {g[m]:.2f}" for m in modes) +
+                      f" GB/s (rx rejected {rejected}, sender credit waits {r['tx']['credit_waits']})", flush=True)
     print()
     print(hdr)
     print("-" * len(hdr))
     ok = True
-    for transport, smb, p, g, ra in rows:
+    for transport, smb, p, g, ra, times in rows:
         msg = f"{p['msg'] / MB:g}MB" if p["msg"] >= MB else f"{p['msg'] // 1024}KB"
-        print(f"{transport:9} {smb:>6g}MB {msg:>7} {p['requests']:>5} {g['raw']:>8.2f} {g['rawreq']:>7.2f} "
-              f"{g['kv']:>6.2f} {ra['kv']:>6.0%} {g['sync']:>7.2f} {ra['sync']:>6.0%} "
-              f"{g['acc']:>6.2f} {ra['acc']:>6.0%}")
+        line = (f"{transport:9} {smb:>6g}MB {msg:>7} {p['requests']:>5} {g['raw']:>8.2f} {g['rawreq']:>7.2f} "
+                f"{g['kv']:>6.2f} {ra['kv']:>6.0%} {g['sync']:>7.2f} {ra['sync']:>6.0%} "
+                f"{g['acc']:>6.2f} {ra['acc']:>6.0%}")
+        if args.curve:
+            # CURVE vs plain kvtransfer: paired per repetition like the raw ratios
+            vs_kv = statistics.median(k / c for k, c in zip(times["kv"], times[CURVE_MODE]))
+            line += f" {g[CURVE_MODE]:>8.2f} {ra[CURVE_MODE]:>6.0%} {vs_kv:>6.0%}"
+        print(line)
         if smb >= 16 and ra["kv"] < 0.8:
             ok = False
     print()
