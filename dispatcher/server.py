@@ -349,9 +349,11 @@ class Dispatcher:
                         item = json.loads(data)
                         if not isinstance(item, dict):
                             raise ValueError(f"an event is a JSON {type(item).__name__}, not an object")
-                        if queue.full():
+                        if queue.full():             # the client is behind: wait for it
                             metrics.backpressure.inc()
-                        await queue.put(item)
+                            await queue.put(item)
+                        else:
+                            queue.put_nowait(item)
                         n = queue.qsize()
                         if n > metrics.stream_queue_peak:
                             metrics.stream_queue_peak = n
