@@ -862,7 +862,8 @@ class KVSender:
         if sock is None:
             return
         n = 0
-        while True:
+        # ZMQ_EVENTS first: cheaper than a recv raising zmq.Again (this runs once per layer)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -915,7 +916,7 @@ class KVSender:
 
     def _pump_events(self, ch: _Channel) -> None:
         mon = ch.monitor
-        while mon is not None:
+        while mon is not None and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
