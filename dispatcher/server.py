@@ -123,11 +123,11 @@ class Dispatcher:
         self.worker_key = cfg.worker_api_key()   # ConfigError naming the file when unreadable/empty
         self._record = open(cfg.record_requests, "a", buffering=1) if cfg.record_requests else None
         self._tokenize_rr = 0
-        # per-call timeouts: streams may go silent for stream_idle_timeout_s between events;
-        # an unstreamed answer (a whole generation) has only the request's total timeout
+        # per-call timeouts: a stream may go silent for stream_idle_timeout_s between events;
+        # an unstreamed answer (a whole generation) has no read limit of its own, only the
+        # request's deadline (request_timeout_s), which the app enforces around the whole request
         self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s,
                                                      sock_read=cfg.stream_idle_timeout_s)
-        self._unary_timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, connect=cfg.connect_timeout_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, wait_s: float = 0.0) -> None:
@@ -310,8 +310,9 @@ class Dispatcher:
             w.inflight.discard(task)
 
     async def _post_json(self, w: Worker, path: str, body: dict) -> dict:
+        """An unstreamed leg (the session's timeouts: connect only; the caller's deadline bounds it)."""
         async def call():
-            async with self.http.post(w.url + path, json=body, timeout=self._unary_timeout) as r:
+            async with self.http.post(w.url + path, json=body) as r:
                 return r.status, await r.read()
         status, content = await self._guarded(w, call(), "request")
         w.last_progress = time.monotonic()
