@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,29 +13,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.local_cluster import free_port  # noqa: F401  (tests import it from here)
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = ROOT / "prefill" / "models" / "tiny-llama" / "config.json"
-
-
-_used: set[int] = set()
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768+), so that no socket
-    vLLM opens for itself meanwhile can take it; never the same one twice."""
-    import random
-    for _ in range(1000):
-        port = random.randint(20000, 32000)
-        if port in _used:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _used.add(port)
-        return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def make_checkpoint(dest: Path, seed: int = 0) -> Path:
