@@ -18,8 +18,11 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $grace =~ ^[0-9]+$ ]] || { echo "error: -t must be a whole number of seconds, got '$grace'" >&2; exit 2; }
 [[ -f $run/pids ]] || { echo "nothing to stop: no $run/pids"; exit 0; }
-alive() { kill -0 -- "-$1" 2>/dev/null; }            # any process left in group $1
-members() { pgrep -g "$1" 2>/dev/null | wc -l; }
+# the live (not zombie) processes of group $1: a zombie holds nothing but its pid and
+# goes when its parent reaps it
+live() { ps -eo pid=,pgid=,stat= | awk -v g="$1" '$2 == g && $3 !~ /^Z/ {print $1}'; }
+alive() { [[ -n $(live "$1") ]]; }
+members() { live "$1" | wc -l; }
 wait_empty() {  # pgid seconds
   local end=$((SECONDS + $2))
   while alive "$1" && ((SECONDS < end)); do sleep 0.2; done
@@ -37,7 +40,7 @@ stop() {  # pgid what
     if wait_empty "$g" 10; then
       echo "killed $what (group $g, $n processes) after ${grace} s"
     else
-      echo "error: $what (group $g) still has processes: $(pgrep -g "$g" | tr '\n' ' ')" >&2
+      echo "error: $what (group $g) still has processes: $(live "$g" | tr '\n' ' ')" >&2
     fi
   fi
 }
