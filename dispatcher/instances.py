@@ -1,8 +1,9 @@
 """The instance registry: which workers exist, which are alive, and what the
 router knows of each.
 
-Each worker is watched by a task of its own (a slow worker does not delay the
-checks of the others). Every ``health_interval_s`` it reads the worker's:
+Every ``health_interval_s`` a check of each worker starts (unless its previous
+one is still running: a slow worker delays no one else's checks); it reads the
+worker's:
 
 * ``/health``, the liveness probe (``health_timeout_s``). A check fails on a
   refused or reset connection, a non-200 answer, or a timeout -- but a timeout
@@ -120,7 +121,8 @@ class Registry:
             w = DecodeWorker("decode", s.name, s.url.rstrip("/"), kv_addr=s.kv_addr)
             w.state = DecodeInstance(j, 0, healthy=False)
             self.decode.append(w)
-        self._tasks: list[asyncio.Task] = []
+        self._task: asyncio.Task | None = None          # the health loop
+        self._checks: dict[str, asyncio.Task] = {}      # its checks in progress, per worker
 
     @property
     def workers(self) -> list[Worker]:
@@ -238,27 +240,36 @@ class Registry:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))
 
-    async def _watch(self, w: Worker) -> None:
+    async def _loop(self) -> None:
+        """Every health_interval_s, start a check of each worker whose previous check has
+        ended: one timer for all, and a slow worker delays no one else's checks."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            try:
-                await self.check(w)
-            except Exception:  # never let a health loop die
-                logger.exception("health check of %s", w.name)
+            for w in self.workers:
+                t = self._checks.get(w.name)
+                if t is None or t.done():
+                    self._checks[w.name] = loop.create_task(self._check_logged(w))
+
+    async def _check_logged(self, w: Worker) -> None:
+        try:
+            await self.check(w)
+        except Exception:  # never let a health check error escape unseen
+            logger.exception("health check of %s", w.name)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._watch(w)) for w in self.workers]
+        self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [t for t in (self._task, *self._checks.values()) if t is not None]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             try:
                 await t
             except asyncio.CancelledError:
                 pass
-        self._tasks = []
+        self._task, self._checks = None, {}
 
     async def wait_ready(self, timeout: float) -> bool:
         """Until every worker answered once (or ``timeout``); True if all are healthy."""
