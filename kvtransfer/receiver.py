@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import threading
 import time
@@ -14,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
@@ -135,25 +134,56 @@ class _Stored(NamedTuple):
     held: int                   # payload bytes it keeps (counted in _held and _peer_held)
 
 
-class _AllowList:
-    """ZAP credentials provider: admits the configured client public keys only
-    (called on the authenticator's thread)."""
+class _ZapHandler:
+    """A minimal ZAP handler (ZeroMQ RFC 27) for one receiver's context: admits
+    CURVE clients whose public key is allowed, refuses everything else.
 
-    def __init__(self, keys: frozenset, stats: Stats, name: str):
-        self.keys = keys
+    A plain thread with a bounded poll (pyzmq's ThreadAuthenticator runs an
+    asyncio loop whose ``stop()`` joins it without a timeout; under load that
+    join could hang ``close()``)."""
+    ENDPOINT = "inproc://zeromq.zap.01"
+
+    def __init__(self, ctx: zmq.Context, allowed_z85: frozenset, stats: Stats, name: str):
+        self.allowed = frozenset(z85.decode(k) for k in allowed_z85)  # binary, as ZAP passes them
         self.stats = stats
         self.name = name
         self.denied = 0
+        self._stop = threading.Event()
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.ENDPOINT)  # before the ROUTER exists: no handshake goes unchecked
+        self.thread = threading.Thread(target=self._run, name=f"{name}-zap", daemon=True)
+        self.thread.start()
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.keys:
-            return True
+    def _run(self) -> None:
+        sock = self.sock
+        try:
+            while not self._stop.is_set():
+                if sock.poll(_POLL_MS):
+                    sock.send_multipart(self._answer(sock.recv_multipart()))
+        except Exception:
+            log.exception("kvtransfer receiver %s: ZAP handler failed; new connections will be refused",
+                          self.name)
+        finally:
+            sock.close(0)
+
+    def _answer(self, msg: list[bytes]) -> list[bytes]:
+        request_id = msg[1] if len(msg) > 1 else b""
+        # version, request id, domain, address, routing id, mechanism, client public key
+        if len(msg) == 7 and msg[0] == b"1.0" and msg[5] == b"CURVE" and msg[6] in self.allowed:
+            return [b"1.0", request_id, b"200", b"OK", b"", b""]
         self.denied += 1
         self.stats.add("auth_failures")
         if worth_logging(self.denied):
-            log.warning("kvtransfer receiver %s: refused a CURVE client whose public key is not in the allowed "
-                        "clients (%d refused so far)", self.name, self.denied)
-        return False
+            log.warning("kvtransfer receiver %s: refused a connection whose CURVE client key is not among the "
+                        "allowed clients (%d refused so far)", self.name, self.denied)
+        return [b"1.0", request_id, b"400", b"client key not allowed", b"", b""]
+
+    def stop(self) -> bool:
+        """Stop the thread; True when it ended (its socket is closed)."""
+        self._stop.set()
+        self.thread.join(timeout=5)
+        return not self.thread.is_alive()
 
 
 DEFAULT_MAX_HELD_BYTES = 2 << 30
@@ -296,10 +326,7 @@ class KVReceiver:
 
     def _setup_sockets(self, address: str, curve: ServerKeys | None) -> None:
         if curve is not None:
-            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("kvtransfer.auth.zap"))
-            self._auth.start()
-            self._auth.configure_curve_callback("*", credentials_provider=_AllowList(
-                curve.allowed_clients, self.stats, self.name))
+            self._auth = _ZapHandler(self._ctx, curve.allowed_clients, self.stats, self.name)
         sock = self._sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable replies raise instead of vanishing
@@ -415,11 +442,20 @@ class KVReceiver:
         for s in (self._sock, self._monitor):
             if s is not None and not s.closed:
                 s.close(0)
+        auth_ended = True
         if self._auth is not None:
-            self._auth.stop()
+            auth_ended = self._auth.stop()
             self._auth = None
         if self._own_ctx:
-            self._ctx.term()
+            if not auth_ended:  # term() would wait for the ZAP socket forever
+                log.error("kvtransfer receiver %s: ZAP thread did not stop; leaving its context open", self.name)
+                return
+            # every socket of this context is closed, so term() returns at once; bounded all the same
+            term = threading.Thread(target=self._ctx.term, name=f"{self.name}-term", daemon=True)
+            term.start()
+            term.join(timeout=5)
+            if term.is_alive():
+                log.error("kvtransfer receiver %s: zmq context did not terminate within 5 s", self.name)
 
     def _pop_result(self, xfer_id: str) -> TransferResult | None:
         # caller holds self._cond
