@@ -577,14 +577,15 @@ class _DisconnectWatch:
     its whole answer), so that a client that went away cancels the upstream call; once
     streaming, Starlette's StreamingResponse watches for the disconnect itself.
 
-    The watching task starts only after ``grace_s``: most requests that finish sooner
-    never need one (a disconnect before that is seen as soon as it starts). :meth:`disarm`
+    The watching task starts only after ``grace_s``: requests that finish sooner never
+    need one (a disconnect before that is seen as soon as it starts); cancelling upstream
+    work matters for the long ones (generations of seconds), where it costs nothing. :meth:`disarm`
     must be called right after the awaited call returns (no await in between), so that a
     disconnect after that point cancels nothing."""
 
     __slots__ = ("task", "gone", "armed", "_receive", "_timer", "_watcher")
 
-    def __init__(self, receive, grace_s: float = 0.05):
+    def __init__(self, receive, grace_s: float = 0.25):
         self.task = asyncio.current_task()
         self.gone = False
         self.armed = True
