@@ -680,9 +680,15 @@ class KVSender:
         return tx
 
     def _check_usable(self, tx: _TxTransfer) -> None:
-        """Raise the transfer's error if it failed (the record stays)."""
+        """Raise the transfer's error if it failed (the record stays); an open
+        transfer past its deadline fails now (it could only fail at finish)."""
         if tx.state != "failed" and tx.generation != tx.channel.generation:
             self._fail(tx, f"connection to {tx.channel.address} was reset")
+        if tx.state == "open":
+            now = time.monotonic()
+            if now >= tx.deadline:
+                self._on_timeout(tx, f"its deadline passed ({now - tx.t0:.3g} s after it began, timeout "
+                                     f"{self.timeout:g} s)", now)
         if tx.state == "failed":
             raise self._error(tx)
 

@@ -733,3 +733,23 @@ def test_stopped_receiver_fails_the_transfer_by_its_deadline(closing):
     finally:
         p.kill()
         p.join(10)
+
+
+def test_calls_after_the_deadline_fail_without_sending(closing):
+    """Past its deadline a transfer fails on its next call even when nothing would
+    have to wait (its ack could not arrive in time anyway), and sends nothing more."""
+    rx = KVReceiver()
+    closing(rx)
+    tx = KVSender(rx.address, timeout=0.5)
+    closing(tx)
+    tx.send_layer("slow", 0, [0], np.ones(16, np.float32))
+    time.sleep(0.7)
+    sent = tx.stats.snapshot()["chunks_sent"]
+    with pytest.raises(TransferTimeout, match="deadline passed"):
+        tx.send_layer("slow", 1, [0], np.ones(16, np.float32))
+    with pytest.raises(TransferTimeout, match="deadline passed"):
+        tx.finish("slow")
+    assert tx.stats.snapshot()["chunks_sent"] == sent
+    assert tx.destination_ok()  # the receiver is fine: no breaker
+    r = rx.wait("slow", timeout=5)  # the abort reached it
+    assert not r.ok and "deadline passed" in r.error
