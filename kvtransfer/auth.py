@@ -34,7 +34,6 @@ import os
 import pathlib
 import stat
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import zmq
 import zmq.auth
@@ -216,9 +215,4 @@ def _valid_z85_key(key: bytes) -> bool:
         return False
 
 
-def allowed_key_files(directory: str | os.PathLike) -> Iterable[pathlib.Path]:
-    """The ``clients/*.key`` files a receiver using ``directory`` admits."""
-    return sorted((pathlib.Path(directory) / CLIENTS_DIR).glob("*.key"))
-
-
-__all__ = ["generate_keys", "ServerKeys", "ClientKeys", "KeysError", "is_loopback", "allowed_key_files"]
+__all__ = ["generate_keys", "ServerKeys", "ClientKeys", "KeysError", "is_loopback"]

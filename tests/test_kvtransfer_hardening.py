@@ -20,8 +20,9 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+import zmq.auth
 
-from kvtransfer import auth, wire
+from kvtransfer import wire
 from kvtransfer.auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
 from kvtransfer.transport import (DestinationUnavailable, KVReceiver, KVSender, TransferError, TransferTimeout,
                                   WireError, free_port)
