@@ -337,6 +337,10 @@ class KVReceiver:
             sock.curve_server = True
             sock.curve_publickey = curve.public
             sock.curve_secretkey = curve.secret
+            # fail closed: without a ZAP handler libzmq would admit any client that
+            # knows the server key; with these it refuses instead
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"kvtransfer")
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         mon = f"inproc://{self.name}-monitor-{uuid.uuid4().hex}"
         sock.monitor(mon, _HANDSHAKE_FAILED)
         self._monitor = self._ctx.socket(zmq.PAIR)

@@ -527,6 +527,19 @@ def test_curve_roundtrip_and_unauthorised_senders(keys, tmp_path, closing):
            what="auth/handshake failures counted")
 
 
+def test_curve_fails_closed_without_its_zap_handler(keys, closing):
+    """libzmq admits any client that knows the server key when no ZAP handler
+    answers, unless the domain is enforced: the receiver enforces it."""
+    rx = KVReceiver(curve=ServerKeys.load(keys))
+    closing(rx)
+    assert rx._auth.stop()  # the allow-list is gone
+    tx = KVSender(rx.address, curve=ClientKeys.load(keys), timeout=30, connect_timeout=1.0)
+    closing(tx)
+    with pytest.raises(TransferError):
+        tx.send_layer("x", 0, [0], np.ones(4, np.float32))
+    assert rx.stats.snapshot()["chunks_received"] == 0 and rx.completed() == []
+
+
 def test_curve_receiver_needs_its_own_context(keys):
     with pytest.raises(ValueError, match="own zmq.Context"):
         KVReceiver(curve=ServerKeys.load(keys), ctx=zmq.Context.instance())
