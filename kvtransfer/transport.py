@@ -26,8 +26,11 @@ completed. With CURVE only authenticated senders can connect at all.
 Security
 --------
 ``KVReceiver(curve=ServerKeys.load(dir))`` makes the ROUTER a CURVE server
-(encryption + authentication) with a ZAP authenticator (its own
-``zmq.Context``) that admits only the client public keys in ``dir/clients/``;
+(encryption + authentication) with a ZAP handler (a thread, on the receiver's
+own ``zmq.Context``) that admits only the client public keys in
+``dir/clients/``; the ZAP domain is enforced, so without a working handler
+connections are refused (libzmq would otherwise admit any client that knows
+the server key);
 ``KVSender(curve=ClientKeys.load(dir))`` makes every DEALER a CURVE client that
 also checks the receiver's server key. A failed handshake is counted on both
 sides (receiver ``auth_failures`` / ``handshake_failures``; the sender fails the
@@ -144,7 +147,10 @@ separate processes): >= 80 % of raw ZeroMQ PUSH/PULL in the same message sizes
 for 16 MB and 256 MB requests (32 layers each) over tcp and ipc; per-message
 Python costs (~10 us sender, ~20 us receiver) dominate with small messages
 (1 MB requests = 32 KB layers: ~50 %). ``--curve`` adds kvtransfer with CURVE
-encryption to the same run.
+encryption to the same run: libzmq encrypts and decrypts on its I/O thread,
+one pass per message on each side, and on this 2-core VM that made CURVE
+transfers 4-9x slower than plain ones at >= 16 MB (0.1-0.9 GB/s; numbers from
+a heavily loaded machine) -- plan for it where KV crosses hosts.
 
 Threads and copies
 ------------------
