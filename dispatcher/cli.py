@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests in progress at once, overall (default 1024; 429 above)")
     ap.add_argument("--max-concurrent-per-key", type=int, metavar="N",
                     help="requests in progress at once per client of the keys file (default 256; 429 above)")
+    ap.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                    help="on SIGINT/SIGTERM, how long requests in progress may still run (default 30)")
     ap.add_argument("--worker-key-file", metavar="PATH",
                     help="file holding the API key the workers demand (sent as 'Authorization: Bearer' on "
                          "every call to them); default: $PROSERVE_WORKER_API_KEY if set, else no key")
@@ -104,6 +106,7 @@ def config_from_args(args) -> DispatcherConfig:
                        ("max_body_mb", "max_body_mb"), ("header_timeout_s", "header_timeout"),
                        ("body_timeout_s", "body_timeout"), ("max_concurrent", "max_concurrent"),
                        ("max_concurrent_per_key", "max_concurrent_per_key"),
+                       ("shutdown_timeout_s", "shutdown_timeout"),
                        ("worker_api_key_file", "worker_key_file")):
         v = getattr(args, flag)
         if v is not None:

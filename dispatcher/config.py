@@ -21,6 +21,7 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       request_timeout_s = 600.0     # a whole request (unstreamed: the only limit on its answer)
       health_timeout_s = 5.0        # a worker's /health (and /metrics scrape) must answer within this
       stream_queue_events = 64      # events buffered per stream before the upstream read waits
+      shutdown_timeout_s = 30.0     # on SIGINT/SIGTERM, requests in progress get this long to finish
       worker_api_key_file = "worker.key"  # optional: the key the workers demand (relative: to this file)
       [global_params]               # keyword arguments of the policy, e.g. alpha = 0.9
       [gain]                        # TDG weights (Eq. 3): w_p, w_d; deadline = "fixed" | "ttft_anchored"
@@ -125,6 +126,7 @@ class DispatcherConfig:
     max_concurrent: int = 1024             # requests admitted at once, overall: 429 above
     max_concurrent_per_key: int = 256      # requests admitted at once per client (keys file): 429 above
     stream_queue_events: int = 64          # per stream, events read from the worker but not yet sent
+    shutdown_timeout_s: float = 30.0       # on shutdown, how long requests in progress may still run
     worker_api_key_file: str | None = None  # file holding the key the workers demand (else $PROSERVE_WORKER_API_KEY)
     record_requests: str | None = None     # JSONL of per-request records
     seed: int = 0
@@ -144,7 +146,8 @@ class DispatcherConfig:
         if not (0 < self.port < 65536):
             raise ConfigError(f"{where}: dispatcher.port must be in 1..65535, got {self.port!r}")
         for k in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "request_timeout_s",
-                  "stream_idle_timeout_s", "max_body_mb", "header_timeout_s", "body_timeout_s"):
+                  "stream_idle_timeout_s", "max_body_mb", "header_timeout_s", "body_timeout_s",
+                  "shutdown_timeout_s"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{where}: dispatcher.{k} must be a number > 0, got {v!r}")
@@ -253,7 +256,7 @@ _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_clas
                     "health_interval_s", "health_failures", "health_timeout_s", "connect_timeout_s",
                     "request_timeout_s", "stream_idle_timeout_s", "max_body_mb", "header_timeout_s",
                     "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",
-                    "worker_api_key_file", "record_requests", "seed"}
+                    "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed"}
 #: keys renamed since: a config file using the old name gets an error naming the new one
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
 _TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode"}

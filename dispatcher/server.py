@@ -554,7 +554,9 @@ def uvicorn_config(dispatcher: Dispatcher, app, http_impl: str = "auto", **kw) -
     both start the server through this)."""
     d = dispatcher
     opts = dict(host=d.cfg.host, port=d.cfg.port, access_log=False, lifespan="on",
-                http=http_protocol(d.cfg.header_timeout_s, d.header_timed_out, http_impl))
+                http=http_protocol(d.cfg.header_timeout_s, d.header_timed_out, http_impl),
+                # uvicorn would otherwise wait without bound for open streams (a stalled client)
+                timeout_graceful_shutdown=d.cfg.shutdown_timeout_s)
     opts.update(kw)
     return uvicorn.Config(app, **opts)
 

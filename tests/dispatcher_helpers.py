@@ -63,11 +63,11 @@ async def harness(n_prefill: int = 1, n_decode: int = 1, keys: dict | None = KEY
         port=free_port(), deployment="colocated" if colocated else "disaggregated",
         prefill=[PrefillSpec(w.url) for w in prefills],
         decode=[DecodeSpec(w.url, f"tcp://127.0.0.1:{16000 + i}") for i, w in enumerate(decodes)],
-        health_interval_s=cfg_kw.pop("health_interval_s", 0.1), **cfg_kw)
+        health_interval_s=cfg_kw.pop("health_interval_s", 0.1),
+        shutdown_timeout_s=cfg_kw.pop("shutdown_timeout_s", 5.0),   # bounded even if a test left a stream open
+        **cfg_kw)
     d = Dispatcher(cfg, keys_from_dict(keys, cfg.classes) if keys else None)
-    # a bounded shutdown even if a test left a connection open mid-response
-    uvicorn_kw = {"timeout_graceful_shutdown": 5, **(uvicorn_kw or {})}
-    server = uvicorn.Server(uvicorn_config(d, create_app(d, wait_s=5), log_level="warning", **uvicorn_kw))
+    server = uvicorn.Server(uvicorn_config(d, create_app(d, wait_s=5), log_level="warning", **(uvicorn_kw or {})))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

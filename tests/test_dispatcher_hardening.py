@@ -319,6 +319,24 @@ def test_a_client_that_reads_nothing_does_not_grow_the_stream_queue():
     run(go())
 
 
+def test_shutdown_does_not_wait_forever_for_a_stalled_client():
+    """uvicorn waits for open responses on shutdown: a client that reads nothing must not
+    keep the dispatcher from stopping (shutdown_timeout_s)."""
+    async def go():
+        cm = harness(shutdown_timeout_s=1.0, worker_kw={"pad_bytes": 16000, "max_model_len": 100_000})
+        h = await cm.__aenter__()
+        c = await RawConn.open(h.url, rcvbuf=16384)
+        try:
+            payload = json.dumps(body(max_tokens=3000, stream=True)).encode()
+            await c.send(post_head("/v1/completions", KEY, length=len(payload)) + payload)
+            await until(lambda: now_metric(h, "proserve:dispatcher_stream_backpressure_total") > 0,
+                        what="the stream to stall")
+            await asyncio.wait_for(cm.__aexit__(None, None, None), 20)   # returns: shutdown ended
+        finally:
+            c.close()
+    run(go())
+
+
 # -- a slow worker is not a dead one ---------------------------------------------------------------
 def test_a_long_unstreamed_request_neither_fails_nor_takes_its_worker_down():
     """An unstreamed answer that takes longer than the stream idle timeout is fine (only the
@@ -573,6 +591,7 @@ def test_new_config_keys_are_validated_and_named_in_errors(tmp_path):
                    ({"body_timeout_s": float("inf")}, "dispatcher.body_timeout_s"),
                    ({"health_timeout_s": True}, "dispatcher.health_timeout_s"),
                    ({"stream_queue_events": 0}, "dispatcher.stream_queue_events"),
+                   ({"shutdown_timeout_s": -1}, "dispatcher.shutdown_timeout_s"),
                    ({"worker_api_key_file": 3}, "dispatcher.worker_api_key_file must be a file path"),
                    ({"idle_timeout_s": 60}, "dispatcher.idle_timeout_s is now called stream_idle_timeout_s")]:
         with pytest.raises(ConfigError) as e:
@@ -589,14 +608,14 @@ def test_cli_flags_set_the_new_knobs(tmp_path):
         "--prefill", "http://a:1", "--decode", "http://b:2=tcp://c:3", "--max-body-mb", "2",
         "--max-concurrent", "10", "--max-concurrent-per-key", "3", "--stream-idle-timeout", "7",
         "--request-timeout", "70", "--header-timeout", "4", "--body-timeout", "5", "--health-timeout", "6",
-        "--worker-key-file", str(tmp_path / "w.key")])
+        "--worker-key-file", str(tmp_path / "w.key"), "--shutdown-timeout", "8"])
     cfg = config_from_args(args)
     assert (cfg.max_body_mb, cfg.max_concurrent, cfg.max_concurrent_per_key, cfg.stream_idle_timeout_s,
             cfg.request_timeout_s, cfg.header_timeout_s, cfg.body_timeout_s, cfg.health_timeout_s,
-            cfg.worker_api_key_file) == (2, 10, 3, 7, 70, 4, 5, 6, str(tmp_path / "w.key"))
+            cfg.worker_api_key_file, cfg.shutdown_timeout_s) == (2, 10, 3, 7, 70, 4, 5, 6, str(tmp_path / "w.key"), 8)
     d = DispatcherConfig()
     assert (d.max_concurrent, d.max_concurrent_per_key, d.stream_idle_timeout_s, d.request_timeout_s,
-            d.max_body_mb) == (1024, 256, 60.0, 600.0, 16.0)
+            d.max_body_mb, d.shutdown_timeout_s) == (1024, 256, 60.0, 600.0, 16.0, 30.0)
 
 
 def test_cli_names_a_missing_worker_key_file(tmp_path):
