@@ -426,10 +426,11 @@ def test_replay_records_client_event_loop_stalls():
 
     _, run = asyncio.run(_with_fake(go))
     assert all(r.ok for r in run.results)
-    assert len(run.stalls) == 1 and 0.15 < run.stalls[0] < 0.5
+    # the server's 0.2 s block is recorded (a busy host may add stalls of its own: not counted on)
+    assert any(x >= 0.15 for x in run.stalls), run.stalls
     s = lg.summarize_run(reqs, run.results, GainConfig(), run.stalls)
-    assert s["client_stalls"]["count"] == 1 and s["client_stalls"]["max_s"] == run.stalls[0]
-    assert "event-loop stalls > 50.0 ms: 1" in lg.format_summary(s)
+    assert s["client_stalls"]["count"] == len(run.stalls) and s["client_stalls"]["max_s"] == max(run.stalls)
+    assert f"event-loop stalls > 50.0 ms: {len(run.stalls)}" in lg.format_summary(s)
     assert lg.summarize_run(reqs, run.results, GainConfig())["client_stalls"]["count"] == 0
 
 
