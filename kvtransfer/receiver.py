@@ -19,8 +19,8 @@ from zmq.utils.monitor import parse_monitor_message
 from . import wire
 from .auth import ServerKeys, is_loopback
 from .common import (DEFAULT_CREDIT_BYTES, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S,
-                     MESSAGE_OVERHEAD, Stats, TransferError, TransferTimeout, accepts_kwargs, log, log_reject,
-                     numpy_dtype, worth_logging)
+                     MESSAGE_OVERHEAD, MIN_CREDIT_BYTES, MIN_MAX_MESSAGE_BYTES, Stats, TransferError,
+                     TransferTimeout, accepts_kwargs, log, log_reject, numpy_dtype, worth_logging)
 from .wire import DTYPES, SENDER_KINDS, WireError
 
 _POLL_MS = 100  # the receiver thread goes round its loop at least this often (heartbeat)
@@ -262,8 +262,10 @@ class KVReceiver:
                  curve: ServerKeys | None = None, allow_insecure: bool = False,
                  heartbeat_path: str | os.PathLike | None = None,
                  ctx: zmq.Context | None = None, name: str | None = None):
-        if credit_bytes <= MESSAGE_OVERHEAD:
-            raise ValueError(f"credit_bytes must be > {MESSAGE_OVERHEAD}")
+        if credit_bytes < MIN_CREDIT_BYTES:  # senders refuse smaller grants
+            raise ValueError(f"credit_bytes must be >= {MIN_CREDIT_BYTES}")
+        if max_message_bytes < MIN_MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes must be >= {MIN_MAX_MESSAGE_BYTES}")
         for arg, v in (("max_message_bytes", max_message_bytes), ("max_held_bytes", max_held_bytes),
                        ("max_peer_bytes", max_peer_bytes), ("max_open_transfers", max_open_transfers),
                        ("stale_after_s", stale_after_s), ("result_ttl_s", result_ttl_s)):
