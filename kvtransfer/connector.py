@@ -10,7 +10,7 @@ Loaded without patching vLLM::
         "kv_load_failure_policy": "recompute",       # decode falls back to recomputing
         "kv_connector_extra_config": {
             "listen": "tcp://127.0.0.1:15600",       # consumer: where KV is received
-            "timeout_s": 30,                          # one deadline per transfer
+            "timeout_s": 30,                          # what a transfer may spend waiting, in all
             "keys_dir": "/etc/proserve/kv-keys",      # CURVE keys (kvtransfer.auth); see below
         },
     }
@@ -28,7 +28,8 @@ attempt: an id already in use on this engine is refused):
    blocks and the worker sends "done" (with a digest of the prompt's token
    ids) and collects the consumer's ack in the background; only then does
    ``get_finished`` report the request so vLLM frees the blocks. A transfer
-   has one deadline (``timeout_s``) for all its layers; a destination that
+   may spend ``timeout_s`` waiting on its receiver, all its layers and the
+   ack together (not per layer); a destination that
    does not answer opens a circuit breaker (:class:`kvtransfer.sender.KVSender`)
    and later transfers to it fail at once instead of stalling the forward
    pass. The prefill response's ``kv_transfer_params`` then carries
@@ -54,7 +55,8 @@ binds only loopback/ipc addresses and the sender sends only to them, unless
 
 Extra config keys: ``listen``, ``timeout_s``, ``connect_timeout_s``,
 ``keys_dir``, ``insecure``; consumer memory caps ``max_open_transfers``,
-``max_held_mib``, ``max_peer_mib``, ``max_message_mib``, ``result_ttl_s``;
+``max_held_mib``, ``max_peer_mib``, ``max_message_mib``, ``result_ttl_s``,
+``stale_after_s``;
 ``heartbeat_path`` (the receiver's liveness file, read by the worker's
 ``/health``); test hooks ``debug_dump_dir``, ``debug_corrupt``.
 """
@@ -409,7 +411,9 @@ class ProServeConnector(KVConnectorBase_V1):
                   max_held_bytes=int(_extra(cfg, "max_held_mib", 2048.0) * MIB),
                   max_peer_bytes=int(_extra(cfg, "max_peer_mib", 1024.0) * MIB),
                   max_message_bytes=int(_extra(cfg, "max_message_mib", 64.0) * MIB),
-                  result_ttl_s=_extra(cfg, "result_ttl_s", max(120.0, 2 * self.timeout_s)))
+                  result_ttl_s=_extra(cfg, "result_ttl_s", max(120.0, 2 * self.timeout_s)),
+                  # a long prompt's chunks can come far apart on a busy prefill engine
+                  stale_after_s=_extra(cfg, "stale_after_s", max(120.0, 4 * self.timeout_s)))
         # vLLM's CPU worker pins its main thread to one core and busy-polls there; a
         # thread started from it would inherit that pin and starve. Start the
         # receiver thread with every core allowed, then restore the pin.

@@ -256,7 +256,7 @@ class _Channel:
 
 
 class _TxTransfer:
-    def __init__(self, xfer_id: str, ch: _Channel, deadline: float):
+    def __init__(self, xfer_id: str, ch: _Channel, budget: float):
         self.xfer_id = xfer_id
         self.channel = ch
         self.generation = ch.generation
@@ -267,8 +267,8 @@ class _TxTransfer:
         self.error: str | None = None
         self.error_cls: type[TransferError] = TransferError
         self.t0 = time.monotonic()
-        self.deadline = deadline                 # the transfer's one deadline (begin/first send_layer + timeout)
-        self.ack_deadline: float | None = None   # set by finish_async (<= deadline)
+        self.budget = budget                     # seconds it may still spend waiting in our calls, all together
+        self.ack_deadline: float | None = None   # set by finish_async: now + what is left of the budget
         self.done_at = 0.0
 
 
@@ -281,9 +281,14 @@ class KVSender:
     be modified until :meth:`finish` returns (the ack means every byte is on the
     receiver), or the transfer is aborted.
 
-    Deadlines: a transfer gets one deadline when it starts (:meth:`begin` or its
-    first :meth:`send_layer`): ``now + timeout``. No later call for it waits
-    beyond that (a per-call ``timeout`` can only shorten a wait). Once a
+    Deadlines: a transfer gets one budget of ``timeout`` seconds for all its
+    waits together (connection set-up, flow-control credit, the ack): every
+    call for it may block at most what is left of that budget (a per-call
+    ``timeout`` can only shorten a wait), and time spent outside the sender's
+    calls -- e.g. the engine computing the next prefill chunk -- does not
+    count, so a long chunked prefill does not expire while a receiver that
+    stops answering costs the caller ``timeout`` once per transfer, never once
+    per layer. Once a
     transfer has failed (timeout, ``nack``, connection reset, destination
     unavailable), every later call for that id raises the same error at once,
     until :meth:`finish`/:meth:`finish_async` (which raise it) or :meth:`abort`
@@ -365,7 +370,7 @@ class KVSender:
 
     def begin(self, xfer_id: str, dest: str | None = None) -> None:
         """Open a transfer explicitly (optional: the first ``send_layer`` does it);
-        its deadline starts now. A transfer with no layers (e.g. everything was
+        its wait budget (``timeout``) starts now. A transfer with no layers (e.g. everything was
         a prefix-cache hit) still needs :meth:`finish`. Raises
         :class:`DestinationUnavailable` at once while the destination's breaker
         is open (later calls for this id then raise it too)."""
@@ -384,7 +389,7 @@ class KVSender:
         pinned host buffers). ``blocks``: the layer's block ids in the sender's
         numbering (see :mod:`kvtransfer.wire`). Blocks while out of flow-control
         credit or while the connection is being set up, at most until the
-        transfer's deadline (``timeout`` shortens the wait of this call); then
+        transfer's wait budget is spent (``timeout`` shortens the wait of this call); then
         raises :class:`TransferTimeout` and the transfer is failed and aborted.
         Raises the transfer's error at once if it already failed (e.g. the
         receiver rejected it), and :class:`DestinationUnavailable` for a new
@@ -404,7 +409,7 @@ class KVSender:
             tx = self._open_transfer(xfer_id, dest)
             if layer in tx.layers:
                 raise ValueError(f"transfer {xfer_id!r}: layer {layer} was already sent")
-            deadline = tx.deadline if timeout is None else min(tx.deadline, call_start + timeout)
+            deadline = call_start + (tx.budget if timeout is None else min(tx.budget, timeout))
             ch = tx.channel
             try:
                 if not ch.ready:
@@ -464,6 +469,8 @@ class KVSender:
                     self._fail(tx, f"send_layer failed: {type(e).__name__}: {e}")
                     self._send_abort(tx, "sender failed mid-layer")
                 raise
+            finally:
+                tx.budget -= time.monotonic() - call_start   # what this call spent of the wait budget
             c["layers_sent"] += 1
             return len(specs)
 
@@ -471,7 +478,7 @@ class KVSender:
         """Send ``done`` (with ``digest``, opaque to the transport: at most 128
         lower-case hex digits, handed to the receiver's ``TransferResult.digest``)
         without waiting for the ack; collect the outcome with
-        :meth:`poll_finished` (no ack by the transfer's deadline, or within
+        :meth:`poll_finished` (no ack within what is left of the transfer's wait budget, or within
         ``timeout`` s if that is sooner: reported as a :class:`TransferTimeout`,
         and the transfer aborted). Raises the transfer's error at once if it
         already failed (and forgets it)."""
@@ -483,7 +490,7 @@ class KVSender:
         """Close the transfer (``done`` announcing what was sent, and ``digest``) and
         wait for the receiver's ``ack`` confirming full receipt -- only then may
         the caller free the KV blocks. Raises :class:`TransferTimeout` when no
-        ack arrives by the transfer's deadline (or within ``timeout`` s, if
+        ack arrives within what is left of the transfer's wait budget (or within ``timeout`` s, if
         sooner; the transfer is then aborted) and :class:`TransferError` when
         the receiver reports a failure (truncated, rejected, gave up)."""
         _check_digest(digest)
@@ -644,7 +651,7 @@ class KVSender:
             return tx
         ch = self._channel(dest or self.address)
         now = time.monotonic()
-        tx = _TxTransfer(xfer_id, ch, now + self.timeout)
+        tx = _TxTransfer(xfer_id, ch, self.timeout)
         try:
             self._admit(ch, now)
         except DestinationUnavailable as e:
@@ -669,7 +676,7 @@ class KVSender:
             now = time.monotonic()
             tx.state = "done_sent"
             tx.done_at = now
-            tx.ack_deadline = tx.deadline if timeout is None else min(tx.deadline, now + timeout)
+            tx.ack_deadline = now + (tx.budget if timeout is None else min(tx.budget, timeout))
             try:
                 self._send(tx.channel, [wire.encode("done", xfer=xfer_id, chunks=tx.chunks, layers=len(tx.layers),
                                                     nbytes=tx.nbytes, digest=digest)])
@@ -681,14 +688,13 @@ class KVSender:
 
     def _check_usable(self, tx: _TxTransfer) -> None:
         """Raise the transfer's error if it failed (the record stays); an open
-        transfer past its deadline fails now (it could only fail at finish)."""
+        transfer that spent its wait budget fails now (it could only fail at finish)."""
         if tx.state != "failed" and tx.generation != tx.channel.generation:
             self._fail(tx, f"connection to {tx.channel.address} was reset")
-        if tx.state == "open":
+        if tx.state == "open" and tx.budget <= 0:
             now = time.monotonic()
-            if now >= tx.deadline:
-                self._on_timeout(tx, f"its deadline passed ({now - tx.t0:.3g} s after it began, timeout "
-                                     f"{self.timeout:g} s)", now)
+            self._on_timeout(tx, f"it spent its whole wait budget ({self.timeout:g} s) waiting on the receiver",
+                             now)
         if tx.state == "failed":
             raise self._error(tx)
 

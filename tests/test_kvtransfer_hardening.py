@@ -634,9 +634,10 @@ def test_half_open_probe_and_doubling_cooldown(closing):
     assert rx.wait("p2", timeout=5).ok and tx.destinations()[address]["state"] == "closed"
 
 
-def test_finish_waits_until_the_transfer_deadline_not_a_fresh_timeout(closing):
-    """A receiver that grants credit and then never answers: finish() gives up at
-    the transfer's deadline (set when it began), not finish-time + timeout."""
+def test_finish_waits_only_what_is_left_of_the_wait_budget(closing):
+    """A receiver that grants credit late and then never acks: the time the first
+    call spent waiting for the grant comes off the transfer's budget, so finish()
+    gives up when the rest of it is spent, not after another full timeout."""
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -647,20 +648,22 @@ def test_finish_waits_until_the_transfer_deadline_not_a_fresh_timeout(closing):
             if router.poll(50):
                 f = router.recv_multipart()
                 if msgpack.unpackb(f[1])["kind"] == "hello":
+                    time.sleep(3)   # the grant comes 3 s late
                     router.send_multipart([f[0], wire.encode("credit", bytes=1 << 20, init=True,
                                                              max_message=1 << 20)])
 
     th = threading.Thread(target=grant, daemon=True)
     th.start()
     try:
-        tx = KVSender(f"tcp://127.0.0.1:{port}", timeout=6)
+        tx = KVSender(f"tcp://127.0.0.1:{port}", timeout=6, connect_timeout=10)
         closing(tx)
-        tx.send_layer("late", 0, [0], np.ones(16, np.float32))  # starts the deadline
-        time.sleep(3)
+        t0 = time.monotonic()
+        tx.send_layer("late", 0, [0], np.ones(16, np.float32))  # waits ~3 s for the grant
+        waited = time.monotonic() - t0
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout, match="no ack"):
             tx.finish("late")
-        assert time.monotonic() - t0 < 5  # ~3 s left of the 6 s deadline, not another 6 s
+        assert time.monotonic() - t0 < 6 - waited + 2  # the rest of the 6 s budget, not another 6 s
     finally:
         stop.set()
         th.join(5)
@@ -749,21 +752,15 @@ def test_stopped_receiver_fails_the_transfer_by_its_deadline(closing):
         p.join(10)
 
 
-def test_calls_after_the_deadline_fail_without_sending(closing):
-    """Past its deadline a transfer fails on its next call even when nothing would
-    have to wait (its ack could not arrive in time anyway), and sends nothing more."""
+def test_time_between_calls_does_not_count_only_waiting_does(closing):
+    """The budget bounds waiting on the receiver, not the transfer's age: a
+    chunked prefill whose chunks come seconds apart still completes."""
     rx = KVReceiver()
     closing(rx)
     tx = KVSender(rx.address, timeout=0.5)
     closing(tx)
     tx.send_layer("slow", 0, [0], np.ones(16, np.float32))
-    time.sleep(0.7)
-    sent = tx.stats.snapshot()["chunks_sent"]
-    with pytest.raises(TransferTimeout, match="deadline passed"):
-        tx.send_layer("slow", 1, [0], np.ones(16, np.float32))
-    with pytest.raises(TransferTimeout, match="deadline passed"):
-        tx.finish("slow")
-    assert tx.stats.snapshot()["chunks_sent"] == sent
-    assert tx.destination_ok()  # the receiver is fine: no breaker
-    r = rx.wait("slow", timeout=5)  # the abort reached it
-    assert not r.ok and "deadline passed" in r.error
+    time.sleep(0.7)              # the engine computes the next chunk meanwhile
+    tx.send_layer("slow", 1, [0], np.ones(16, np.float32))
+    tx.finish("slow")
+    assert rx.wait("slow", timeout=5).ok
