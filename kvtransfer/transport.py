@@ -48,7 +48,7 @@ told apart from a dead peer. A new DEALER sends ``hello``; the receiver answers
 with ``credit(init=True, bytes=credit_bytes, max_message=...)``, the window
 (default 64 MiB). Every payload-carrying message costs ``len(payload) +
 MESSAGE_OVERHEAD`` bytes of credit; the sender blocks (bounded by the
-transfer's deadline, raising :class:`TransferTimeout`) when a chunk would
+transfer's wait budget, raising :class:`TransferTimeout`) when a chunk would
 exceed its remaining credit. The receiver returns credit after a chunk has been
 *consumed* (handed to the ``on_chunk`` callback, which has returned, or
 stored) -- whatever became of it, malformed messages included -- in batches
@@ -113,11 +113,14 @@ that file about once a second (tmp + rename), for a health check in another
 process. Gauges in ``stats`` (refreshed with it): ``held_bytes``,
 ``open_transfers``, ``stored_results``, ``peers``.
 
-Deadlines and the circuit breaker (sender)
-------------------------------------------
-A transfer gets one deadline when it starts (``begin`` or its first
-``send_layer``): ``now + timeout``; every later call for it waits at most until
-then (a per-call ``timeout`` can only shorten it). Once it failed (timeout,
+Wait budgets and the circuit breaker (sender)
+---------------------------------------------
+A transfer gets one budget of ``timeout`` seconds for all its waits together
+(connection set-up, credit, the ack): each call for it blocks at most what is
+left (a per-call ``timeout`` can only shorten it). Time between calls -- the
+engine computing the next chunk of a long prompt -- is not counted, so a slow
+chunked prefill does not expire, while a stalled receiver costs the caller
+``timeout`` once per transfer. Once it failed (timeout,
 ``nack``, reset, refused), every later call for that id raises the stored
 error at once -- a dead receiver costs one wait per transfer, not one per
 layer -- until the caller finishes or aborts it (``MAX_FAILED_KEPT`` = 4096
