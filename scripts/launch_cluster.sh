@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
     --no-secrets) use_secrets=0; shift ;;
     --kv-plain) kv_curve=0; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
