@@ -105,7 +105,7 @@ class TransferResult:
 
 class _RxTransfer:
     """An open (partial) transfer, owned by the peer that sent its first message."""
-    __slots__ = ("xfer_id", "peer", "layers", "chunks", "nbytes", "t0", "last")
+    __slots__ = ("xfer_id", "peer", "layers", "chunks", "nbytes", "held", "t0", "last")
 
     def __init__(self, xfer_id: str, peer: bytes, now: float):
         self.xfer_id = xfer_id
@@ -113,6 +113,7 @@ class _RxTransfer:
         self.layers: dict[int, LayerData] = {}
         self.chunks = 0
         self.nbytes = 0
+        self.held = 0      # what its kept chunks count in _held / _peer_held (see chunk_held_bytes)
         self.t0 = now
         self.last = now
 
@@ -131,7 +132,7 @@ class _Stored(NamedTuple):
     at: float                   # when it was stored (for result_ttl_s)
     result: TransferResult
     peer: bytes | None          # the owner (None: closed by the receiver itself)
-    held: int                   # payload bytes it keeps (counted in _held and _peer_held)
+    held: int                   # what it keeps (counted in _held and _peer_held; chunk_held_bytes)
 
 
 class _ZapHandler:
@@ -187,6 +188,17 @@ class _ZapHandler:
 
 
 DEFAULT_MAX_HELD_BYTES = 2 << 30
+#: What a kept chunk costs beyond its payload (its header's Python objects, the ZeroMQ
+#: frame, its LayerData), and per block id it carries (a list slot and an int object).
+#: Counted in the held bytes, so that chunks with little or no payload (or a header of
+#: a million block ids) cannot grow memory past max_held_bytes / max_peer_bytes.
+CHUNK_OVERHEAD_BYTES = 2048
+BLOCK_ID_BYTES = 40
+
+
+def chunk_held_bytes(payload_bytes: int, n_blocks: int) -> int:
+    """What one kept chunk counts against the receiver's memory caps."""
+    return payload_bytes + CHUNK_OVERHEAD_BYTES + BLOCK_ID_BYTES * n_blocks
 DEFAULT_MAX_PEER_BYTES = 1 << 30
 DEFAULT_MAX_OPEN_TRANSFERS = 1024
 DEFAULT_STALE_AFTER_S = 30.0
@@ -234,8 +246,11 @@ class KVReceiver:
         that would start another one is rejected (``nack``, counted as
         ``rejected["too_many_transfers"]``), the existing ones keep working.
     ``max_held_bytes`` (2 GiB) / ``max_peer_bytes`` (1 GiB)
-        received but uncollected payload, in total / per connection; a chunk
-        over either fails its transfer (``receiver_full`` / ``peer_full``).
+        received but uncollected payload, in total / per connection, each
+        chunk counted with its bookkeeping (:func:`chunk_held_bytes`: +2 KiB,
+        +40 bytes per block id; with ``on_chunk`` only the bookkeeping, as the
+        payload is not kept); a chunk over either fails its transfer
+        (``receiver_full`` / ``peer_full``).
     ``max_message_bytes`` (64 MiB)
         header + payload of one message.
     ``stale_after_s`` (30) / ``result_ttl_s`` (120)
@@ -704,6 +719,24 @@ class KVReceiver:
             return
         nbytes = h["nbytes"]
         shape = tuple(h["shape"])
+        # every kept chunk counts against the caps: its payload (unless on_chunk takes it)
+        # and its bookkeeping, so that empty chunks cannot grow memory without bound either
+        held = chunk_held_bytes(0 if self._on_chunk is not None else nbytes, len(h["blocks"]))
+        with self._cond:
+            if self._held + held > self.max_held_bytes:
+                full = ("receiver_full", f"holding {self._held} bytes, limit {self.max_held_bytes}")
+            elif self._peer_held.get(peer, 0) + held > self.max_peer_bytes:
+                full = ("peer_full", f"holding {self._peer_held.get(peer, 0)} bytes from this sender, "
+                                     f"limit {self.max_peer_bytes}")
+            else:
+                full = None
+                self._held += held
+                self._peer_held[peer] = self._peer_held.get(peer, 0) + held
+                self.stats.max("held_bytes_max", self._held)
+        if full:
+            self._reject(peer, full[0], full[1], x, fail=True)
+            return
+        t.held += held
         if self._on_chunk is not None:
             try:
                 if self._chunk_kwargs:
@@ -718,20 +751,6 @@ class KVReceiver:
                 return
             L.chunks.append(ChunkData(seq, h["offset"], shape, h["blocks"], memoryview(b"")))
         else:
-            with self._cond:
-                if self._held + nbytes > self.max_held_bytes:
-                    full = ("receiver_full", f"holding {self._held} bytes, limit {self.max_held_bytes}")
-                elif self._peer_held.get(peer, 0) + nbytes > self.max_peer_bytes:
-                    full = ("peer_full", f"holding {self._peer_held.get(peer, 0)} bytes from this sender, "
-                                         f"limit {self.max_peer_bytes}")
-                else:
-                    full = None
-                    self._held += nbytes
-                    self._peer_held[peer] = self._peer_held.get(peer, 0) + nbytes
-                    self.stats.max("held_bytes_max", self._held)
-            if full:
-                self._reject(peer, full[0], full[1], x, fail=True)
-                return
             L.chunks.append(ChunkData(seq, h["offset"], shape, h["blocks"], buf))
         L.nbytes += nbytes
         t.chunks += 1
@@ -822,9 +841,9 @@ class KVReceiver:
         self._close_id(x, how, owner)
         now = time.monotonic()
         keep = ok and store and t is not None and self._on_chunk is None
-        if t is not None and self._on_chunk is None and not keep and t.nbytes:
+        if t is not None and not keep and t.held:
             with self._cond:
-                self._release(t.peer, t.nbytes)  # partial data dropped
+                self._release(t.peer, t.held)  # partial data (or on_chunk bookkeeping) dropped
         # a kept result stays counted in _held until collected (see _pop_result)
         res = TransferResult(x, ok, error, t.chunks if t else 0, t.nbytes if t else 0,
                              t.layers if keep else {}, (now - t.t0) if t else 0.0, digest)
@@ -834,7 +853,7 @@ class KVReceiver:
         if store:
             with self._cond:
                 self._pop_result(x)  # never overwrite a stored result without releasing its bytes
-                self._results[x] = _Stored(now, res, owner, t.nbytes if keep else 0)
+                self._results[x] = _Stored(now, res, owner, t.held if keep else 0)
                 self._cond.notify_all()
 
     def _tick(self, now: float) -> None:

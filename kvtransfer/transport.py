@@ -71,8 +71,11 @@ Each a ``KVReceiver`` argument; the ZeroMQ options are derived from them:
   late chunks) are remembered in an LRU of ``max(4096, 8 *
   max_open_transfers)`` entries.
 * ``max_held_bytes`` (2 GiB) total and ``max_peer_bytes`` (1 GiB) per
-  connection of received, uncollected payload: a chunk over either fails its
-  transfer (``receiver_full`` / ``peer_full``), others are unaffected.
+  connection of received, uncollected payload, each kept chunk counted with
+  its bookkeeping (``receiver.chunk_held_bytes``: +2 KiB, +40 bytes per block
+  id, so that chunks with no payload cannot grow memory either): a chunk over
+  either fails its transfer (``receiver_full`` / ``peer_full``), others are
+  unaffected.
 * ``stale_after_s`` (30): an open transfer with no data that long fails;
   ``result_ttl_s`` (120): an uncollected result is dropped. Records of
   connections idle that long are forgotten (after returning any credit held

@@ -99,6 +99,10 @@ MAX_REASON_LEN = 4096
 MAX_DIGEST_LEN = 128
 _HEX = frozenset("0123456789abcdef")
 
+#: msgpack limits for a header (bounded work and memory for any frame 0)
+_UNPACK_LIMITS = dict(raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_HEADER_BYTES,
+                      max_bin_len=0, max_ext_len=0, max_array_len=MAX_BLOCKS, max_map_len=64)
+
 SENDER_KINDS = ("hello", "kv", "done", "abort")
 RECEIVER_KINDS = ("credit", "ack", "nack")
 
@@ -204,9 +208,7 @@ def decode(frames: Sequence[Any], kinds: Sequence[str], max_message_bytes: int |
     if len(head) > MAX_HEADER_BYTES:
         raise WireError("too_large", f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True,
-                                 max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_ext_len=0,
-                                 max_array_len=MAX_BLOCKS, max_map_len=64)
+        header = msgpack.unpackb(head, **_UNPACK_LIMITS)
     except Exception as e:  # msgpack raises several exception types
         raise WireError("bad_msgpack", f"header is not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
@@ -251,9 +253,15 @@ def _nonneg_ints(xs) -> bool:
 
 
 def _peek_xfer(head: memoryview) -> str | None:
-    """Best-effort transfer id of an oversized message (to fail its transfer)."""
+    """Best-effort transfer id of an oversized message (to fail its transfer). Only a
+    header of a size :func:`decode` accepts is looked at, with its limits: the whole
+    message may be far larger (a frame up to ``ZMQ_MAXMSGSIZE``), and unpacking, say,
+    64 MB of one-byte empty arrays would build ~4 GB of Python lists on the receiver
+    thread."""
+    if len(head) > MAX_HEADER_BYTES:
+        return None
     try:
-        h = msgpack.unpackb(head, raw=False, max_bin_len=0, max_ext_len=0, max_map_len=64)
+        h = msgpack.unpackb(head, **_UNPACK_LIMITS)
         x = h.get("xfer") if isinstance(h, dict) else None
         return x if valid_xfer(x) else None
     except Exception:
