@@ -626,7 +626,14 @@ class KVSender:
                     f"KV destination {ch.address} is unavailable for another {ch.open_until - now:.1f} s "
                     f"(circuit breaker open after {ch.failures} consecutive failure(s); last: {ch.last_error})")
             ch.state = HALF_OPEN  # this one is the probe, on a fresh connection
-            self._connect(ch, now)
+            try:
+                self._connect(ch, now)
+            except BaseException:
+                # no probe is under way after all (e.g. EMFILE making the socket): back to
+                # open, so that the next transfer probes again instead of every transfer
+                # being refused as 'being probed' forever
+                ch.state = OPEN
+                raise
             return
         if ch.state == HALF_OPEN:
             raise DestinationUnavailable(f"KV destination {ch.address} is being probed after a failure "

@@ -380,3 +380,100 @@ def test_a_peer_choosing_a_zero_prefixed_routing_id_cannot_kill_the_receiver(tmp
             s.close()
         p.kill()
         p.wait(timeout=10)
+
+
+# -------------------------------------------------------------------------- sender
+
+
+def test_breaker_probe_that_cannot_make_its_socket_does_not_stick_half_open(closing, monkeypatch):
+    """Problem: when the breaker let a probe through (open -> half_open) and making its
+    socket failed (e.g. EMFILE), the breaker stayed half_open with no connection, so
+    every later transfer to that destination was refused ('being probed') forever,
+    even once the receiver was up."""
+    import errno
+
+    from kvtransfer.transport import DestinationUnavailable, TransferError, free_port
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    tx = KVSender(address, timeout=1.0, connect_timeout=0.2, breaker_cooldown_s=0.1, breaker_max_cooldown_s=0.1)
+    closing(tx)
+    with pytest.raises(TransferError):
+        tx.send_layer("nobody-home", 0, [], np.zeros(4, np.float32))
+    assert tx.destinations()[address]["state"] == "open"
+    time.sleep(0.15)   # past the cooldown: the next transfer is the probe
+
+    class NoSockets:
+        def socket(self, *a, **kw):
+            raise zmq.ZMQError(errno.EMFILE)
+    real_ctx = tx._ctx
+    monkeypatch.setattr(tx, "_ctx", NoSockets())
+    with pytest.raises(zmq.ZMQError):
+        tx.begin("probe")
+    monkeypatch.setattr(tx, "_ctx", real_ctx)
+    assert tx.destinations()[address]["state"] == "open"   # not half_open without a probe
+
+    rx = KVReceiver(address)
+    closing(rx)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            tx.send_layer("after", 0, [], np.zeros(4, np.float32))
+            tx.finish("after")
+            break
+        except DestinationUnavailable:
+            tx.abort("after")
+            assert time.monotonic() < deadline, f"destination never usable again: {tx.destinations()[address]}"
+            time.sleep(0.05)
+    assert rx.wait("after", timeout=5).ok
+
+
+def test_hostile_receiver_cannot_stall_a_sender_past_its_budget(closing):
+    """A receiver that grants a small window, sends junk (malformed headers, acks and
+    nacks for unknown ids, an absurd credit grant) and then stops answering: the
+    transfer fails within its one budget (not per layer), the junk is counted, and
+    the breaker opens."""
+    import threading
+
+    from kvtransfer.transport import TransferTimeout
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            peer, head, *_ = router.recv_multipart()
+            if msgpack.unpackb(head)["kind"] != "hello":
+                continue      # chunks, done: never answered
+            for d in ({"v": 1, "kind": "credit", "bytes": 1 << 14, "init": True, "max_message": 1 << 20},
+                      {"v": 1, "kind": "ack", "xfer": "nobody", "chunks": 0, "nbytes": 0},
+                      {"v": 1, "kind": "nack", "xfer": "nobody", "reason": "x"},
+                      {"v": 1, "kind": "credit", "bytes": 2 ** 64 - 1, "init": False, "max_message": 1}):
+                router.send_multipart([peer, msgpack.packb(d)])
+            router.send_multipart([peer, b"\xc1junk"])
+            router.send_multipart([peer, msgpack.packb({"v": 1, "kind": "credit"}), b"extra"])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    tx = KVSender(f"tcp://127.0.0.1:{port}", timeout=1.5, connect_timeout=0.5, chunk_bytes=4096)
+    closing(tx)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            for layer in range(20):   # far more than the window: the sender runs out of credit
+                tx.send_layer("stalled", layer, [], np.zeros(8 << 10, np.uint8))
+            tx.finish("stalled")
+        spent = time.monotonic() - t0
+        assert spent < 1.5 + 5, spent   # its one budget (plus slack for a busy host), not 20 x 1.5 s
+        st = tx.stats.snapshot()
+        assert st["rejected"] == {"bad_msgpack": 1, "missing_field": 1}
+        assert tx.destinations()[tx.address]["state"] == "open"
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        router.close(0)
