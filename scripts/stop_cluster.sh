@@ -24,9 +24,12 @@ live() { ps -eo pid=,pgid=,stat= | awk -v g="$1" '$2 == g && $3 !~ /^Z/ {print $
 alive() { [[ -n $(live "$1") ]]; }
 members() { live "$1" | wc -l; }
 wait_empty() {  # pgid seconds
-  local end=$((SECONDS + $2))
+  local end=$((SECONDS + $2)) reaped=$((SECONDS + 5))
   while alive "$1" && ((SECONDS < end)); do sleep 0.2; done
-  ! alive "$1"
+  alive "$1" && return 1
+  # gone but for zombies: give their parent (init, for an orphaned worker) a moment to reap them
+  while kill -0 -- "-$1" 2>/dev/null && ((SECONDS < reaped)); do sleep 0.1; done
+  return 0
 }
 stop() {  # pgid what
   local g=$1 what=$2 n
