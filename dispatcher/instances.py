@@ -32,6 +32,7 @@ timeout. It rejoins by itself after its next good check.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -54,6 +55,30 @@ _BETA = re.compile(r'^proserve:beta(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$', re.M)
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
 #: a /metrics page larger than this is refused (vLLM's is a few hundred kB)
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
+#: of a /health answer or an error answer only this much is read (a message at most)
+MAX_SHORT_ANSWER_BYTES = 64 * 1024
+#: a /v1/models answer larger than this is a bad answer
+_MAX_MODELS_BYTES = 1024 * 1024
+
+
+class AnswerTooLarge(ValueError):
+    """A worker's answer was larger than the dispatcher reads (see :func:`read_capped`)."""
+
+
+async def read_capped(r: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:
+    """The body of ``r``, never more than ``limit`` bytes of it in memory: beyond that,
+    :class:`AnswerTooLarge` (a ValueError), or with ``truncate`` the first ``limit``
+    bytes (the rest is not read; the connection is closed instead of reused)."""
+    parts, size = [], 0
+    async for chunk in r.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            if not truncate:
+                raise AnswerTooLarge(f"{r.url.path} answered more than {limit} bytes")
+            parts.append(chunk[:len(chunk) - (size - limit)])
+            break
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class _ScrapeError(Exception):
@@ -163,12 +188,12 @@ class Registry:
         try:
             async with http.get(w.url + path, timeout=timeout) as r:
                 status = r.status
-                await r.read()
+                await read_capped(r, MAX_SHORT_ANSWER_BYTES, truncate=True)
             if status == 200 and w.model is None:
                 path = "/v1/models"
                 async with http.get(w.url + path, timeout=timeout) as r:
                     status = r.status
-                    data = await r.json(content_type=None) if status == 200 else None
+                    data = json.loads(await read_capped(r, _MAX_MODELS_BYTES)) if status == 200 else None
                 if status == 200:
                     model = data["data"][0]
                     name, max_len = model["id"], model.get("max_model_len")
@@ -185,7 +210,7 @@ class Registry:
             return "timeout", f"health check failed: {path} did not answer within {self.cfg.health_timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as e:
             return "refused", f"health check failed: {path}: {type(e).__name__}: {e}"
-        except (ValueError, KeyError, IndexError, TypeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
             return "bad_answer", f"health check failed: {path}: bad answer: {type(e).__name__}: {e}"
         if status == 401:
             return "unauthorized", f"{path} answered 401: the worker rejected the dispatcher's worker key"
@@ -201,13 +226,7 @@ class Registry:
             async with self._owner.http.get(w.url + "/metrics", timeout=timeout) as r:
                 if r.status != 200:
                     raise _ScrapeError("bad_status", f"HTTP {r.status}")
-                parts, size = [], 0
-                async for chunk in r.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > _MAX_METRICS_BYTES:
-                        raise _ScrapeError("bad_answer", f"over {_MAX_METRICS_BYTES} bytes")
-                    parts.append(chunk)
-            text = b"".join(parts).decode("utf-8", "replace")
+                text = (await read_capped(r, _MAX_METRICS_BYTES)).decode("utf-8", "replace")
             if isinstance(w, PrefillWorker):
                 m = _BETA.search(text)
                 beta = float(m.group(1)) if m else None

@@ -74,7 +74,15 @@ from .auth import Authorizer
 from .config import DispatcherConfig, KeyEntry
 from .errors import ApiError, UpstreamError, error_body
 from .http_protocol import http_protocol
-from .instances import DecodeWorker, PrefillWorker, Registry, Worker
+from .instances import (
+    MAX_SHORT_ANSWER_BYTES,
+    AnswerTooLarge,
+    DecodeWorker,
+    PrefillWorker,
+    Registry,
+    Worker,
+    read_capped,
+)
 from .limits import ConcurrencyLimiter
 from .metrics import Metrics
 from .requests import (
@@ -97,6 +105,12 @@ _CONN_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 #: (smaller remainders are read and dropped by uvicorn, and the connection is kept)
 _DRAIN_LIMIT = 64 * 1024
 _WORKER_KEY_REJECTED = "the worker rejected the dispatcher's worker key (HTTP 401)"
+#: an unstreamed answer (or /tokenize's) larger than this is the worker's error: the
+#: dispatcher holds at most this much of one in memory
+MAX_ANSWER_BYTES = 256 * 1024 * 1024
+#: tokens counted for one response when the request set no max_tokens (more than any
+#: context): a worker's usage figures are not trusted to size the dispatcher's records
+MAX_COUNTED_TOKENS = 1 << 20
 
 
 class _Sent(Exception):
@@ -201,7 +215,10 @@ class Dispatcher:
             w = live[(self._tokenize_rr + k) % len(live)]
             try:
                 async with self.http.post(w.url + "/tokenize", json=body, timeout=_TOKENIZE_TIMEOUT) as r:
-                    status, content = r.status, await r.read()
+                    status, content = r.status, await read_capped(r, MAX_ANSWER_BYTES)
+            except AnswerTooLarge as e:
+                last = f"{w.name}: {e}"
+                continue
             except asyncio.TimeoutError as e:   # slow, not dead (aiohttp's read timeouts included)
                 last = f"{w.name}: {type(e).__name__}: {e}"
                 continue
@@ -313,7 +330,11 @@ class Dispatcher:
         """An unstreamed leg (the session's timeouts: connect only; the caller's deadline bounds it)."""
         async def call():
             async with self.http.post(w.url + path, json=body) as r:
-                return r.status, await r.read()
+                try:
+                    return r.status, await (read_capped(r, MAX_ANSWER_BYTES) if r.status == 200 else
+                                            read_capped(r, MAX_SHORT_ANSWER_BYTES, truncate=True))
+                except AnswerTooLarge as e:
+                    raise UpstreamError(w.name, f"bad answer: {e}") from None
         status, content = await self._guarded(w, call(), "request")
         w.last_progress = time.monotonic()
         if status != 200:
@@ -324,6 +345,11 @@ class Dispatcher:
             raise UpstreamError(w.name, f"bad answer: not JSON ({type(e).__name__})") from None
         if not isinstance(out, dict):
             raise UpstreamError(w.name, f"bad answer: a JSON {type(out).__name__}, not an object")
+        if "error" in out and not out.get("choices"):
+            raise _error_answer(w, out["error"])     # an error answered with a 200
+        problem = _answer_problem(out)
+        if problem is not None:
+            raise UpstreamError(w.name, f"bad answer: {problem}")
         return out
 
     async def _stream(self, w: Worker, path: str, body: dict) -> AsyncIterator[dict]:
@@ -340,7 +366,7 @@ class Dispatcher:
         async def pump():
             async with self.http.post(w.url + path, json=body, timeout=self._stream_timeout) as r:
                 if r.status != 200:
-                    raise _http_error(w, r.status, await r.read())
+                    raise _http_error(w, r.status, await read_capped(r, MAX_SHORT_ANSWER_BYTES, truncate=True))
                 async for line in r.content:
                     if line.startswith(b"data:"):
                         w.last_progress = monotonic()
@@ -350,6 +376,9 @@ class Dispatcher:
                         item = json.loads(data)
                         if not isinstance(item, dict):
                             raise ValueError(f"an event is a JSON {type(item).__name__}, not an object")
+                        problem = _answer_problem(item)
+                        if problem is not None:
+                            raise ValueError(problem)
                         if queue.full():             # the client is behind: wait for it
                             metrics.backpressure.inc()
                             await queue.put(item)
@@ -378,12 +407,7 @@ class Dispatcher:
                 if isinstance(item, Exception):
                     raise item
                 if "error" in item and not item.get("choices"):
-                    # vLLM reports errors after the 200 as an error event
-                    err = item["error"] if isinstance(item["error"], dict) else {"message": str(item["error"])}
-                    code = err.get("code")
-                    if isinstance(code, int) and 400 <= code < 500 and code != 401:
-                        raise ApiError(code, str(err.get("message")))
-                    raise UpstreamError(w.name, f"error event: {err.get('message')}", code)
+                    raise _error_answer(w, item["error"])   # vLLM reports errors after the 200 as an error event
                 yield item
         finally:
             if not task.done():
@@ -511,12 +535,17 @@ class Dispatcher:
     @staticmethod
     def count_tokens(job: Job, t: float, chunk: dict) -> None:
         """One timestamp per token: the token ids of a streamed chunk (the dispatcher asks
-        for them), or all of an unstreamed response's tokens at the time it is delivered."""
+        for them), or all of an unstreamed response's tokens at the time it is delivered
+        (its ``usage``), never more in all than the request's ``max_tokens`` (or
+        :data:`MAX_COUNTED_TOKENS`): a worker's figures do not size the records."""
         if job.stream:
             n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices") or ())
         else:
             n = int((chunk.get("usage") or {}).get("completion_tokens") or 0)
-        job.sreq.token_times.extend([t] * n)
+        times = job.sreq.token_times
+        n = min(n, (job.max_tokens or MAX_COUNTED_TOKENS) - len(times))
+        if n > 0:
+            times.extend([t] * n)
 
 
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -533,6 +562,41 @@ def _error_message_bytes(content: bytes) -> str:
             return str(err.get("message") or err.get("detail") or err)
         return str(err)
     return str(data)[:500]
+
+
+def _answer_problem(item: dict) -> str | None:
+    """What is wrong with the shape of a worker's answer (or streamed event) in the
+    fields the dispatcher reads, or None: ``choices`` a list of objects (their
+    ``token_ids`` lists), ``usage`` an object with an int ``completion_tokens`` >= 0."""
+    choices = item.get("choices")
+    if choices is not None:
+        if not isinstance(choices, list):
+            return f"'choices' is a JSON {type(choices).__name__}, not a list"
+        for c in choices:
+            if not isinstance(c, dict):
+                return f"a choice is a JSON {type(c).__name__}, not an object"
+            ids = c.get("token_ids")
+            if ids is not None and not isinstance(ids, list):
+                return f"'token_ids' is a JSON {type(ids).__name__}, not a list"
+    usage = item.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            return f"'usage' is a JSON {type(usage).__name__}, not an object"
+        n = usage.get("completion_tokens")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            return f"'usage.completion_tokens' is {n!r:.40}, not an int >= 0"
+    return None
+
+
+def _error_answer(w: Worker, error: Any) -> Exception:
+    """An error a worker answered after (or with) a 200: an error event in a stream,
+    or an unstreamed 200 whose body is ``{"error": ...}``. A 4xx code (but 401) is the
+    client's error, passed on; anything else is the worker's."""
+    err = error if isinstance(error, dict) else {"message": str(error)}
+    code = err.get("code")
+    if isinstance(code, int) and 400 <= code < 500 and code != 401:
+        return ApiError(code, str(err.get("message")))
+    return UpstreamError(w.name, f"error event: {err.get('message')}", code)
 
 
 def _http_error(w: Worker, status: int, content: bytes) -> Exception:
