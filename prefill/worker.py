@@ -260,6 +260,10 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     rest = list(args.vllm_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in rest):
+        # vLLM would guard /v1/* with it, but WorkerGuard (every other route) would not know it
+        raise SystemExit("error: pass the worker's API key with --api-key-file, not `-- --api-key` (only "
+                         "/v1/* would need it then; /tokenize, /detokenize and the other routes would stay open)")
     argv += rest
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))

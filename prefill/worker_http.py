@@ -82,7 +82,9 @@ class WorkerGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        # the route's own path, as the router matches it (uvicorn --root-path puts the
+        # prefix in front of scope["path"]; vLLM's key check strips it the same way)
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if path == "/health":
             why = receiver_problem(self.heartbeat, self.max_age)
             if why is not None:
