@@ -1,0 +1,97 @@
+"""Adversarial test of the decode side's check of a received transfer
+(``ProServeConnector._check`` / ``_inject``): random transfers -- wrong and right
+digests, dtypes, block shapes, block positions (gaps, shifted, beyond the
+request), chunked layers carrying per-chunk or whole-layer block lists, wire
+layers of several prefill steps -- against a fake paged cache (both block
+layouts: CPU ``[blocks, ...]`` and CUDA ``[2, blocks, ...]``).
+
+Held up (no fix needed): a transfer is either rejected with nothing written, or
+written only into the blocks vLLM allocated to this request beyond its
+prefix-cached ones -- all of them, in every layer -- never elsewhere, and never
+an exception other than LoadRejected."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+connector = pytest.importorskip("kvtransfer.connector")
+
+from kvtransfer.receiver import ChunkData, LayerData, TransferResult  # noqa: E402
+
+NBLOCKS = 20
+
+
+def _connector(n_layers: int, block_dim: int):
+    c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # no vLLM config needed
+    shape = (NBLOCKS, 2, 4, 2) if block_dim == 0 else (2, NBLOCKS, 4, 2)
+    c._kv_caches = {f"layer{i}": torch.full(shape, -7, dtype=torch.float16) for i in range(n_layers)}
+    c._block_dim = block_dim
+    c.debug_dir = c.debug_corrupt = None
+    return c
+
+
+def _layer(wire_layer: int, arr: np.ndarray, chunks: list[tuple[int, list[int]]]) -> LayerData:
+    """A received layer of ``arr``, in chunks of (rows, block ids carried)."""
+    raw, row = arr.tobytes(), int(np.prod(arr.shape[1:])) * arr.itemsize
+    out, off = [], 0
+    for seq, (rows, blocks) in enumerate(chunks):
+        out.append(ChunkData(seq, off, (rows, *arr.shape[1:]), blocks, memoryview(raw[off:off + rows * row])))
+        off += rows * row
+    return LayerData(wire_layer, str(arr.dtype), tuple(arr.shape), out, len(raw))
+
+
+def _random_case(rng: random.Random):
+    n_layers, block_dim = rng.choice([1, 2, 3]), rng.choice([0, 1])
+    c = _connector(n_layers, block_dim)
+    req_blocks = rng.sample(range(NBLOCKS), rng.randrange(1, 8))
+    skip = rng.randrange(0, len(req_blocks) + 1)
+    digest = connector.prompt_digest([1, 2, 3])
+    ld = connector.LoadSpec("req", "xfer", req_blocks, skip, digest)
+    layers = {}
+    for _ in range(rng.randrange(0, 2 * n_layers + 2)):
+        wl = rng.randrange(0, 3 * n_layers)
+        first = rng.choice([0, skip, rng.randrange(0, 10)])
+        n = rng.randrange(0, len(req_blocks) + 3)
+        inner = (2, 4, 2) if rng.random() < 0.9 else (2, 4, 3)
+        dtype = np.float16 if rng.random() < 0.95 else np.float32
+        arr = np.full((n, *inner), wl + 1, dtype)
+        blocks = list(range(first, first + n))
+        if blocks and rng.random() < 0.1:
+            blocks[-1] += 1                      # a gap
+        if n >= 2 and rng.random() < 0.5:
+            k = rng.randrange(1, n)
+            spec = ([(k, blocks[:k]), (n - k, blocks[k:])] if rng.random() < 0.7
+                    else [(k, blocks), (n - k, blocks)])
+        else:
+            spec = [(n, blocks)]
+        layers[wl] = _layer(wl, arr, spec)
+    result = TransferResult("xfer", True, None, 0, 0, layers, 0.0, digest if rng.random() < 0.95 else "00" * 16)
+    return c, ld, result, block_dim
+
+
+@pytest.mark.parametrize("seed0", range(0, 600, 150))
+def test_a_received_transfer_is_rejected_or_written_only_into_its_requests_blocks(seed0):
+    outcomes = set()
+    for seed in range(seed0, seed0 + 150):
+        c, ld, result, block_dim = _random_case(random.Random(seed))
+        before = {k: v.clone() for k, v in c._kv_caches.items()}
+        allowed = set(ld.block_ids[ld.skip_blocks:])
+        try:
+            c._inject(ld, result)
+            ok = True
+        except connector.LoadRejected:
+            ok = False
+        outcomes.add(ok)
+        for name, t in c._kv_caches.items():
+            for blk in range(NBLOCKS):
+                changed = not torch.equal(t.select(block_dim, blk), before[name].select(block_dim, blk))
+                if changed:
+                    assert ok, (seed, "rejected, but block", blk, "was written")
+                    assert blk in allowed, (seed, "wrote block", blk, "outside the request's", allowed)
+                elif ok:
+                    assert blk not in allowed, (seed, name, "block", blk, "of the request was not written")
+    assert outcomes == {True, False}   # both kinds of case were exercised
