@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -280,17 +279,18 @@ class Dispatcher:
         if decision is not None:
             self.metrics.branch.labels(decision.branch).inc()
         p = next(w for w in ps if w.state is p_state)
-        self.qmap.add(p_state.id, job.sreq, now)
-        self.metrics.routed.labels("prefill", p.name).inc()
         d = None
         if d_state is not None:
             d = next(w for w in ds if w.state is d_state)
             self._reserve_blocks(job, d)
+        # last: from here on the caller's finally takes the request out of the queue map
+        self.qmap.add(p_state.id, job.sreq, now)
+        self.metrics.routed.labels("prefill", p.name).inc()
         return p, d
 
     def _reserve_blocks(self, job: Job, d: DecodeWorker) -> None:
         """The blocks this request will hold on ``d``, until the next scrape says otherwise."""
-        need = math.ceil((job.prompt_len + (job.max_tokens or 16)) / max(1, d.block_size))
+        need = -(-(job.prompt_len + (job.max_tokens or 16)) // max(1, d.block_size))   # ceil, exact for any int
         d.state.free_blocks = max(0, d.state.free_blocks - need)
         self.metrics.routed.labels("decode", d.name).inc()
 

@@ -100,8 +100,8 @@ MAX_DIGEST_LEN = 128
 _HEX = frozenset("0123456789abcdef")
 
 #: msgpack limits for a header (bounded work and memory for any frame 0)
-_UNPACK_LIMITS = dict(raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_HEADER_BYTES,
-                      max_bin_len=0, max_ext_len=0, max_array_len=MAX_BLOCKS, max_map_len=64)
+_UNPACK_LIMITS = {"raw": False, "strict_map_key": True, "use_list": True, "max_str_len": MAX_HEADER_BYTES,
+                  "max_bin_len": 0, "max_ext_len": 0, "max_array_len": MAX_BLOCKS, "max_map_len": 64}
 
 SENDER_KINDS = ("hello", "kv", "done", "abort")
 RECEIVER_KINDS = ("credit", "ack", "nack")

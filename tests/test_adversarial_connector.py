@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 connector = pytest.importorskip("kvtransfer.connector")
 
-from kvtransfer.receiver import ChunkData, LayerData, TransferResult  # noqa: E402
+from kvtransfer.receiver import ChunkData, LayerData, TransferResult
 
 NBLOCKS = 20
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from dispatcher_helpers import RawConn, harness, metric, post_head, run, until
 
-import dispatcher.server as server
+from dispatcher import server
 
 PROMPT = list(range(1, 41))
 
@@ -180,11 +180,29 @@ def test_a_client_disconnecting_at_any_stage_releases_its_slot_and_is_counted(st
                 await asyncio.sleep(delay + 0.05)
                 c.writer.transport.abort()
                 await until(lambda: h.d.limiter.total == 0, what="slot released")
-                await until(lambda: h.d.metrics.requests.labels("high", "cancelled")._value.get()
+                await until(lambda n=n: h.d.metrics.requests.labels("high", "cancelled")._value.get()
                             + h.d.metrics.requests.labels("-", "cancelled")._value.get() == n + 1,
                             what="request counted as cancelled")
             text = await h.metrics()
             assert metric(text, "proserve:dispatcher_in_flight") == 0
             assert metric(text, "proserve:dispatcher_requests_total") == 4
             assert all(len(p.state.queue) == 0 for p in h.d.registry.prefill)
+    run(main())
+
+
+def test_an_absurd_max_tokens_leaves_no_phantom_request_in_the_prefill_queue_map():
+    """Problem: with the workers' max_model_len unknown (a /v1/models without it), a
+    request asking max_tokens = 10**400 passed the checks, was added to the
+    PrefillQueueMap, and then reserving its decode blocks overflowed (float
+    division): a 500, and the request stayed in that prefill instance's queue
+    model forever (each such request one more phantom, skewing every later route)."""
+    async def main():
+        async with harness() as h:
+            for w in h.d.registry.workers:
+                w.max_model_len = None
+            assert h.d.registry.max_model_len is None
+            r = await h.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 10 ** 400})
+            assert r.status_code != 500 and is_openai_error(r.json(), r.status_code), r.text[:300]
+            assert [len(p.state.queue) for p in h.d.registry.prefill] == [0]
+            assert h.d.limiter.total == 0
     run(main())

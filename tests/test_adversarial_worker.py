@@ -14,10 +14,10 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
+from pd_helpers import free_port
 from starlette.routing import Mount
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-from pd_helpers import free_port
 from prefill import worker, worker_http
 
 KEY = "sk-worker-secret"
