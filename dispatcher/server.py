@@ -910,7 +910,14 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
             outcome, err = "timeout", f"no response within {D.cfg.request_timeout_s:g} s"
             yield f"data: {json.dumps(ApiError(504, err).body())}\n\n"
         except (asyncio.CancelledError, GeneratorExit):
-            outcome, err = "cancelled", "client went away"
+            if asyncio.get_running_loop().time() >= deadline:
+                # the deadline fired while the response waited on a client that reads nothing
+                # (the cancellation reaches the send, outside this generator's timeout block)
+                M.timeouts.labels("request").inc()
+                outcome = "timeout"
+                err = f"no response within {D.cfg.request_timeout_s:g} s (the client stopped reading)"
+            else:
+                outcome, err = "cancelled", "client went away"
             raise
         except Exception as e:
             logger.exception("request %s: unexpected error while streaming", job.id)

@@ -206,3 +206,26 @@ def test_an_absurd_max_tokens_leaves_no_phantom_request_in_the_prefill_queue_map
             assert [len(p.state.queue) for p in h.d.registry.prefill] == [0]
             assert h.d.limiter.total == 0
     run(main())
+
+
+def test_a_client_that_stops_reading_a_stream_ends_at_the_deadline_as_a_timeout():
+    """Held up: a streaming client that reads nothing holds its slot only until the
+    request's deadline. Problem found: it was then counted as 'cancelled' (client
+    went away) with no request timeout counted; now it is a timeout."""
+    async def main():
+        async with harness(request_timeout_s=1.0, stream_queue_events=8,
+                           worker_kw={"pad_bytes": 16000, "max_model_len": 100_000}) as h:
+            c = await RawConn.open(h.url, rcvbuf=16384)
+            try:
+                raw = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "stream": True}).encode()
+                await c.send(post_head("/v1/completions", "sk-high-000001", len(raw)) + raw)
+                await until(lambda: h.d.limiter.total == 1, what="request admitted")
+                await until(lambda: h.d.limiter.total == 0, timeout=20, what="slot released at the deadline")
+                text = await h.metrics()
+                assert metric(text, "proserve:dispatcher_requests_total", outcome="timeout") == 1
+                assert metric(text, "proserve:dispatcher_requests_total", outcome="cancelled") == 0
+                assert metric(text, "proserve:dispatcher_timeouts_total", kind="request") == 1
+                assert h.decodes[0].tokens_written < 3000   # the worker was held back, then cancelled
+            finally:
+                c.close()
+    run(main())
