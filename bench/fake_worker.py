@@ -57,6 +57,7 @@ class FakeWorker:
     block_size: int = 16
     usage: float = 0.0
     fail: str | None = None
+    drop_next: int = 0              # close the connection of the next N generation requests (only those)
     fail_after_tokens: int = 0
     health_delay_s: float = 0.0
     metrics_delay_s: float = 0.0
@@ -148,7 +149,8 @@ class FakeWorker:
             return web.json_response({"error": {"message": "fake failure", "code": 500}}, status=500)
         if self.fail in ("hang", "stall") and not self.fail_after_tokens:
             await asyncio.sleep(3600)
-        if self.fail == "drop" and not self.fail_after_tokens:
+        if (self.fail == "drop" and not self.fail_after_tokens) or self.drop_next > 0:
+            self.drop_next = max(0, self.drop_next - 1)
             request.transport.close()
             return web.Response()
         if body.get("temperature", 0) is not None and body.get("temperature", 0) < 0:

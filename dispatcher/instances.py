@@ -305,6 +305,18 @@ class Registry:
         w.mark_down(why)
         self._sync(w)
 
+    def suspect(self, w: Worker, why: str) -> None:
+        """A request's established connection to ``w`` broke (reset, closed mid-answer).
+        That request fails, but it does not take ``w`` out nor cancel its other requests:
+        a healthy worker does this too (an idle keep-alive connection closed as a request
+        went out on it). ``w`` is checked now instead, and the check decides; a worker
+        that really died also refuses the next connection (:meth:`failed`)."""
+        logger.info("%s worker %s: a connection broke (%s); checking it now", w.role, w.name, why)
+        self._owner.metrics.broken_connections.labels(w.name).inc()
+        t = self._checks.get(w.name)
+        if t is None or t.done():
+            self._checks[w.name] = asyncio.get_running_loop().create_task(self._check_logged(w))
+
     def key_rejected(self, w: Worker, why: str) -> None:
         """``w`` answered 401 to the dispatcher: a configuration error (the worker key),
         not the client's. Logged loudly; the worker is out until a check passes."""

@@ -72,6 +72,9 @@ class Metrics:
                                      "timeout_progressing (slow /health while requests progress: not a failure), "
                                      "timeout, refused, bad_status, unauthorized, bad_answer",
                                      ["instance", "result"], registry=r)
+        self.broken_connections = Counter("proserve:dispatcher_broken_connections", "Established connections "
+                                          "to a worker that broke during a request (that request failed or was "
+                                          "retried; the worker was checked at once)", ["instance"], registry=r)
         self.scrape_failures = Counter("proserve:dispatcher_scrape_failures", "Failed /metrics scrapes (the "
                                        "previous stats are kept; never a health failure)", ["instance", "reason"],
                                        registry=r)

@@ -97,12 +97,18 @@ from .requests import (
 
 logger = logging.getLogger("proserve.dispatcher")
 
-#: the worker refused, dropped or broke the connection: it leaves the candidate set at once.
-#: (aiohttp's read timeouts are ClientConnectionErrors too: _guarded catches them first.)
+#: the connection to a worker failed. Cannot connect (ClientConnectorError): the worker leaves
+#: the candidate set at once; an established connection broke: that request fails and the
+#: worker is checked now (Registry.suspect). (aiohttp's read timeouts are ClientConnectionErrors
+#: too: _guarded catches them first.)
 _CONN_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 #: an error answered before the rest of a body this large was read closes the connection
 #: (smaller remainders are read and dropped by uvicorn, and the connection is kept)
 _DRAIN_LIMIT = 64 * 1024
+#: seconds an idle upstream connection is kept: below WORKER_KEEP_ALIVE_S (prefill.worker)
+UPSTREAM_KEEP_ALIVE_S = 30
+#: seconds the dispatcher keeps a client's idle connection
+CLIENT_KEEP_ALIVE_S = 75
 _WORKER_KEY_REJECTED = "the worker rejected the dispatcher's worker key (HTTP 401)"
 #: an unstreamed answer (or /tokenize's) larger than this is the worker's error: the
 #: dispatcher holds at most this much of one in memory
@@ -147,7 +153,9 @@ class Dispatcher:
         # aiohttp rather than httpx upstream: measured 2-3x less CPU per proxied stream here
         # the worker key goes with every upstream call (legs, /tokenize, /health, /metrics, /v1/models)
         self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+            # idle connections are dropped before the workers drop them (python -m prefill|decode
+            # keep them WORKER_KEEP_ALIVE_S), or a request sent on one as it closes is reset
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s),
             headers={"Authorization": f"Bearer {self.worker_key}"} if self.worker_key else None)
         if self.auth.open_access:
@@ -221,8 +229,12 @@ class Dispatcher:
             except asyncio.TimeoutError as e:   # slow, not dead (aiohttp's read timeouts included)
                 last = f"{w.name}: {type(e).__name__}: {e}"
                 continue
-            except _CONN_ERRORS as e:
+            except aiohttp.ClientConnectorError as e:
                 self.registry.failed(w, f"{type(e).__name__}: {e}")
+                last = f"{w.name}: {type(e).__name__}"
+                continue
+            except _CONN_ERRORS as e:
+                self.registry.suspect(w, f"{type(e).__name__}: {e}")
                 last = f"{w.name}: {type(e).__name__}"
                 continue
             except aiohttp.ClientError as e:
@@ -312,7 +324,8 @@ class Dispatcher:
                 task.cancel()
                 raise
             raise UpstreamError(w.name, f"worker went down ({w.last_error})") from None
-        except aiohttp.ConnectionTimeoutError as e:    # cannot even connect: as good as refused
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as e:
+            # cannot even connect (refused, unreachable): the worker is gone
             self.registry.failed(w, f"{type(e).__name__}: {e}")
             raise UpstreamError(w.name, f"connection failed: {type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:                   # slow, not dead: w stays in the set
@@ -321,7 +334,10 @@ class Dispatcher:
             raise UpstreamError(w.name, f"no answer within {limit:g} s ({what.replace('_', ' ')} timeout)",
                                 timeout=True) from None
         except _CONN_ERRORS as e:
-            self.registry.failed(w, f"{type(e).__name__}: {e}")
+            # an established connection broke (reset, closed mid-answer): this request fails,
+            # but one broken connection is not a dead worker (a keep-alive race does it to a
+            # healthy one): check the worker now and let the check decide
+            self.registry.suspect(w, f"{type(e).__name__}: {e}")
             raise UpstreamError(w.name, f"connection failed: {type(e).__name__}: {e}") from None
         finally:
             w.inflight.discard(task)
@@ -618,6 +634,10 @@ def uvicorn_config(dispatcher: Dispatcher, app, http_impl: str = "auto", **kw) -
     both start the server through this)."""
     d = dispatcher
     opts = dict(host=d.cfg.host, port=d.cfg.port, access_log=False, lifespan="on",
+                # clients keep idle connections for a while (aiohttp 15 s, browsers more): a server
+                # that closes them first races the client's next request on them (a reset, with
+                # no answer); uvicorn's default is 5 s
+                timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
                 http=http_protocol(d.cfg.header_timeout_s, d.header_timed_out, http_impl),
                 # uvicorn would otherwise wait without bound for open streams (a stalled client)
                 timeout_graceful_shutdown=d.cfg.shutdown_timeout_s)

@@ -23,6 +23,8 @@ DEVICES = ("cpu", "cuda", "npu")
 OFF = "off"
 PLUGIN = "prefill.engine_scheduler.ProServeScheduler"
 VALIDATOR = "prefill.params:ParamsValidator"
+#: seconds a worker keeps an idle HTTP connection (above the dispatcher's 30 s)
+WORKER_KEEP_ALIVE_S = 75
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -237,6 +239,10 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     if args.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     env = dict(os.environ)
+    # idle HTTP connections are kept longer than the dispatcher keeps them (its pool drops
+    # them after 30 s): the side that closes an idle connection must be the client, or a
+    # request sent on it as the server closes it is reset (vLLM's default is 5 s)
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(WORKER_KEEP_ALIVE_S))
     # the KV receiver's liveness and the API key on every route (prefill.worker_http)
     argv += ["--middleware", "prefill.worker_http.WorkerGuard"]
     if args.api_key_file:

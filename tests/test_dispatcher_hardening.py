@@ -426,6 +426,28 @@ def test_slow_metrics_and_health_do_not_take_a_progressing_worker_down():
     run(go())
 
 
+def test_one_broken_connection_does_not_take_a_healthy_worker_down():
+    """A connection that breaks under one request (a keep-alive race does this to a healthy
+    worker) fails that request, not the worker: its other streams go on, it stays in the
+    set, and it is checked at once (the soak benchmark found a healthy decode worker taken
+    down, every stream on it cut, by one reset connection)."""
+    async def go():
+        async with harness(colocated=True, worker_kw={"decode_s": 0.02}) as h:
+            w, p0 = h.prefills[0], h.d.registry.prefill[0]
+            long = asyncio.ensure_future(h.stream("/v1/completions", body(max_tokens=100)))
+            await until(lambda: w.tokens_written >= 5, what="the stream to be under way")
+            w.drop_next = 1
+            r = await h.post("/v1/completions", body(max_tokens=4))
+            assert r.status_code in (502, 503) and r.json()["error"]["message"]
+            status, ev = await long
+            assert status == 200 and len(ev) == 101 and "error" not in ev[-2], ev[-2:]
+            assert p0.healthy
+            m = await h.metrics()
+            assert metric(m, "proserve:dispatcher_broken_connections_total", instance="p0") == 1
+            assert (await h.post("/v1/completions", body())).status_code == 200
+    run(go())
+
+
 def test_a_worker_that_restarts_rejoins_and_serves():
     async def go():
         async with harness() as h:
