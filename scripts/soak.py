@@ -13,9 +13,12 @@ fixed points of the run:
     10 %  junk, truncated and oversized frames on every decode worker's KV port
           (with and without the cluster's CURVE keys)
     20 %  decode worker 0 made slow: SIGSTOP for --stall seconds, then SIGCONT
-    35 %  decode worker 1 SIGKILLed (its whole process group), then restarted
-    60 %  prefill worker 0 SIGKILLed, then restarted
+    30 %  decode worker 1 SIGKILLed (its whole process group), then restarted
+    50 %  prefill worker 0 SIGKILLed, then restarted (the only prefill worker:
+          requests meanwhile get a clear 503 until it is back)
     75 %  a burst of client disconnects
+
+(each in a thread of its own: a restart may take minutes on a busy host)
 
 and prints: requests sent / completed / ended with a clear error / cancelled by
 their client / lost (must be 0: no answer, or an answer that is neither tokens nor
@@ -213,30 +216,36 @@ def kill_and_restart(c: Cluster, role: str, i: int, name: str, log: dict) -> Non
 
 
 def faults(c: Cluster, args, t_start: float, length: float, burst: threading.Event, log: dict,
-           done: threading.Event) -> None:
-    def at(frac: float) -> bool:
-        """Wait for that point of the run; False once the load has ended."""
-        while time.monotonic() < t_start + frac * length:
-            if done.wait(0.2):
-                return False
-        return not done.is_set()
+           done: threading.Event) -> list[threading.Thread]:
+    """Start each fault at its point of the run, in a thread of its own (a restart can
+    take minutes on a busy host: the schedule does not wait for it). Returns the threads."""
+    def at(frac: float, fn, *a) -> threading.Thread:
+        def run():
+            while time.monotonic() < t_start + frac * length:
+                if done.wait(0.2):
+                    return          # the load ended first
+            fn(*a)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
 
-    if at(0.10):
+    def junk():
         for i in range(args.decodes):
             junk_kv(c, i)
         log["junk frames sent"] = True
-    if at(0.20):
+
+    def stall():
         pid, _ = c.worker("decode", 0)
         os.killpg(pid, signal.SIGSTOP)
         time.sleep(args.stall)
         os.killpg(pid, signal.SIGCONT)
         log["decode 0 stalled s"] = args.stall
-    if args.decodes >= 2 and at(0.35):
-        kill_and_restart(c, "decode", 1, "d1", log)
-    if at(0.60):
-        kill_and_restart(c, "prefill", 0, "p0", log)
-    if at(0.75):
-        burst.set()
+
+    threads = [at(0.10, junk), at(0.20, stall), at(0.50, kill_and_restart, c, "prefill", 0, "p0", log),
+               at(0.75, burst.set)]
+    if args.decodes >= 2:
+        threads.append(at(0.30, kill_and_restart, c, "decode", 1, "d1", log))
+    return threads
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -271,12 +280,12 @@ def main(argv=None) -> int:
         length = args.minutes * 60
         t_start = time.monotonic()
         burst, done = threading.Event(), threading.Event()
-        ft = threading.Thread(target=faults, args=(c, args, t_start, length, burst, faults_log, done), daemon=True)
-        ft.start()
+        fault_threads = faults(c, args, t_start, length, burst, faults_log, done)
         print(f"load: {args.rate:g} req/s for {args.minutes:g} min, faults on schedule...", flush=True)
         asyncio.run(load(c.url, args, tally, t_start + length, burst))
         done.set()
-        ft.join(900)
+        for t in fault_threads:     # restarts still under way finish (or time out) first
+            t.join(900)
         # drain: every request ended; KV blocks go back within a few seconds
         time_until(lambda: all(v == 0 for v in kv_blocks_in_use(c).values()), 60)
         blocks = kv_blocks_in_use(c)
