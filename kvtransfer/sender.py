@@ -218,6 +218,9 @@ class SendResult:
 
 
 
+#: The least payload a chunk may carry (or the whole layer, when smaller) once the
+#: header is accounted for, under the receiver's announced max_message.
+MIN_CHUNK_PAYLOAD = 1024
 #: Failed transfers remembered (so later calls for them fail at once) until the
 #: caller finishes or aborts them; beyond this many the oldest are forgotten.
 MAX_FAILED_KEPT = 4096
@@ -417,6 +420,14 @@ class KVSender:
                                f"no credit grant from the receiver at {ch.address} (not running?)")
                 self._check_usable(tx)
                 header_room = 1024 + 10 * len(blocks) + 20 * len(lshape)
+                layer_bytes = wire.prod(lshape) * isz
+                if ch.max_message - header_room < min(layer_bytes, MIN_CHUNK_PAYLOAD):
+                    # else the layer would go out in chunks of a few bytes each: millions of
+                    # messages, CPU time no wait budget bounds, the forward pass stalled
+                    raise TransferError(
+                        f"the receiver at {ch.address} accepts messages of at most {ch.max_message} bytes, "
+                        f"too small for chunks of this layer ({len(blocks)} block ids in each header): "
+                        f"raise its max_message_bytes")
                 # at most half the window: the receiver returns credit in batches of
                 # a quarter window, so a chunk always fits once the pipe has drained
                 chunk = max(isz, min(self.chunk_bytes, ch.window // 2 - MESSAGE_OVERHEAD,

@@ -477,3 +477,46 @@ def test_hostile_receiver_cannot_stall_a_sender_past_its_budget(closing):
         stop.set()
         th.join(timeout=5)
         router.close(0)
+
+
+def test_a_receivers_tiny_max_message_fails_the_transfer_instead_of_stalling_the_sender(closing):
+    """Problem: a receiver announcing the smallest max_message (4096 bytes) made a
+    layer whose header carries many block ids go out in chunks of one item (a 200 KB
+    layer with 400 block ids: 102400 messages, 4 s of CPU against a 1 s budget, which
+    counts only waits; a real layer of 26 MB: hours, the forward pass stalled). Now
+    such a layer fails its transfer at once, naming the receiver's limit."""
+    import threading
+
+    from kvtransfer.transport import TransferError
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop, received = threading.Event(), []
+
+    def serve():
+        while not stop.is_set():
+            if router.poll(50):
+                frames = router.recv_multipart()
+                received.append(len(frames))
+                if msgpack.unpackb(frames[1])["kind"] == "hello":
+                    router.send_multipart([frames[0], msgpack.packb(
+                        {"v": 1, "kind": "credit", "bytes": 1 << 40, "init": True, "max_message": 4096})])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    tx = KVSender(f"tcp://127.0.0.1:{port}", timeout=1.0)
+    closing(tx)
+    try:
+        with pytest.raises(TransferError, match="max_message"):
+            tx.send_layer("x", 0, list(range(400)), np.zeros((400, 256), np.float16))
+        with pytest.raises(TransferError):   # the transfer is failed, not half sent
+            tx.finish("x")
+        assert tx.stats.snapshot()["chunks_sent"] == 0
+        # a layer whose header leaves room goes out in chunks of ~max_message
+        n = tx.send_layer("y", 0, [0, 1], np.zeros((2, 4096), np.float16))
+        assert n <= 16 * 1024 // (4096 - 1024 - 60) + 1
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        router.close(0)
