@@ -100,6 +100,11 @@ log = logging.getLogger("proserve.kvtransfer")
 XFER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ADDR_RE = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:]+:\d{1,5}|ipc://[\w./-]{1,200})$")
 MIB = 1 << 20
+#: producer worker: failed transfer ids remembered (their later layers are skipped)
+FAILED_XFERS_KEPT = 4096
+#: scheduler side: ids used before and refused again; more than FAILED_XFERS_KEPT, so an
+#: id still remembered as failed can never start a new transfer that would be skipped
+USED_XFERS_KEPT = 4 * FAILED_XFERS_KEPT
 
 
 class TransferParamsError(ValueError):
@@ -228,6 +233,9 @@ class ProServeConnector(KVConnectorBase_V1):
         # scheduler side
         self._params: dict[str, dict] = {}             # req_id -> parsed params
         self._xfers: dict[str, str] = {}               # xfer id -> req_id, while the id is in use here
+        # ids used before on this engine (the worker side remembers failed ids, so a reused
+        # one would be skipped silently): one id per attempt, as the dispatcher sends them
+        self._used_xfers: collections.OrderedDict = collections.OrderedDict()
         self._blocks: dict[str, list[int]] = {}        # producer: physical blocks per request
         self._pending_finish: list[FinishSpec] = []
         self._unacked: set[str] = set()
@@ -246,7 +254,7 @@ class ProServeConnector(KVConnectorBase_V1):
         self._finishing: dict[str, tuple[str, str]] = {}  # xfer -> (req_id, addr), awaiting ack
         self._failed_xfers: collections.OrderedDict = collections.OrderedDict()  # xfer -> (addr, error)
         self._meta_failed: dict[str, tuple[str, str]] = {}
-        self._dest_reported: dict[str, bool] = {}     # dest -> last breaker state told (True = usable)
+        self._dest_reported: dict[str, float | None] = {}  # dest -> open_until last told (None: usable)
         self._step = 0                                  # producer: steps with saves, orders chunks
         self._loads: dict[str, tuple[LoadSpec, float]] = {}
         self._failed_loads: set[str] = set()
@@ -260,6 +268,9 @@ class ProServeConnector(KVConnectorBase_V1):
             if p is not None and p["xfer"] in self._xfers:
                 raise TransferParamsError(f"kv_transfer_params.xfer_id {p['xfer']!r} is already in use by "
                                           f"another request on this engine (one id per attempt)")
+            if p is not None and p["xfer"] in self._used_xfers:
+                raise TransferParamsError(f"kv_transfer_params.xfer_id {p['xfer']!r} was used by an earlier "
+                                          f"request on this engine (one id per attempt)")
         except TransferParamsError as e:
             log.error("request %s: %s; served without KV transfer", rid, e)
             self._params[rid] = {"role": "invalid", "error": str(e)}
@@ -277,6 +288,9 @@ class ProServeConnector(KVConnectorBase_V1):
                 p["failed"] = f"KV destination {p['addr']} unavailable: {down[1]}"
         self._params[rid] = p
         self._xfers[p["xfer"]] = rid
+        self._used_xfers[p["xfer"]] = None
+        while len(self._used_xfers) > USED_XFERS_KEPT:
+            self._used_xfers.popitem(last=False)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         p = self._params.get(request.request_id)
@@ -449,7 +463,7 @@ class ProServeConnector(KVConnectorBase_V1):
             return
         err = f"{type(e).__name__}: {e}"
         self._failed_xfers[xfer] = (addr, err)
-        while len(self._failed_xfers) > 4096:
+        while len(self._failed_xfers) > FAILED_XFERS_KEPT:
             self._failed_xfers.popitem(last=False)
         self._meta_failed[xfer] = (addr, err)
         self.metrics.send_failed(addr, "destination_unavailable" if isinstance(e, DestinationUnavailable)
@@ -539,7 +553,7 @@ class ProServeConnector(KVConnectorBase_V1):
             now = time.monotonic()
             rx = self._receiver
             for req_id, (ld, deadline) in list(self._loads.items()):
-                result = rx.wait(ld.xfer, timeout=0) if rx is not None and rx.ready(ld.xfer) else None
+                result = rx.take(ld.xfer) if rx is not None else None
                 why = None
                 if result is not None and result.ok:
                     try:
@@ -582,8 +596,10 @@ class ProServeConnector(KVConnectorBase_V1):
             if st is None:
                 continue
             ok = st["state"] == "closed"
-            if self._dest_reported.get(addr, True) != ok:
-                self._dest_reported[addr] = ok
+            # told again when the breaker re-opens (a failed half-open probe): a new open_until
+            told = None if ok else st["open_until"]
+            if self._dest_reported.get(addr) != told:
+                self._dest_reported[addr] = told
                 meta.dests[addr] = (0.0 if ok else max(0.0, st["open_until"] - now), st.get("last_error") or "")
                 self.metrics.destination(addr, ok)
         return meta if (meta.failed or meta.dests) else None
@@ -620,7 +636,7 @@ class ProServeConnector(KVConnectorBase_V1):
             if blocks != list(range(first, first + n)):
                 raise LoadRejected(f"layer {layer}: block positions {blocks[:8]} are not the {n} consecutive "
                                    f"positions its data holds")
-            if first + n > len(ld.block_ids) + 1:
+            if first + n > len(ld.block_ids):
                 raise LoadRejected(f"layer {layer}: blocks {first}..{first + n - 1} lie beyond this request's "
                                    f"{len(ld.block_ids)} blocks")
             covered[layer].update(range(first, first + n))

@@ -383,8 +383,10 @@ class KVReceiver:
 
     @property
     def alive(self) -> bool:
-        """The receiver thread is running and :meth:`close` was not called."""
-        return self._thread.is_alive() and not self._closing
+        """The receiver thread (and, with CURVE, its ZAP handler, without which every
+        connection is refused) is running and :meth:`close` was not called."""
+        return (self._thread.is_alive() and not self._closing
+                and (self._auth is None or self._auth.thread.is_alive()))
 
     def wait(self, xfer_id: str, timeout: float | None = None, *, drop_on_timeout: bool = False) -> TransferResult:
         """Block until ``xfer_id`` is final: complete (``ok``), or failed (aborted,
@@ -417,6 +419,14 @@ class KVReceiver:
         """True when :meth:`wait` would return at once."""
         with self._cond:
             return xfer_id in self._results
+
+    def take(self, xfer_id: str) -> TransferResult | None:
+        """The final outcome of ``xfer_id`` if there is one now (collected, as by
+        :meth:`wait`), else None. Never raises or blocks: for a caller polling on
+        the engine's thread, where a result could expire or be withdrawn between
+        :meth:`ready` and :meth:`wait`."""
+        with self._cond:
+            return self._pop_result(xfer_id) if xfer_id in self._results else None
 
     def completed(self) -> list[str]:
         """Transfer ids with a final outcome not yet collected by :meth:`wait`."""
@@ -868,7 +878,8 @@ class KVReceiver:
         st.set("stored_results", stored)
         st.set("open_transfers", len(self._open))
         st.set("peers", len(self._peers))
-        self._write_heartbeat()
+        if self._auth is None or self._auth.thread.is_alive():
+            self._write_heartbeat()   # a receiver that refuses every connection is not alive
 
     def _gc(self, now: float) -> None:
         for x, t in list(self._open.items()):

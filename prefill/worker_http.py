@@ -51,7 +51,12 @@ def receiver_problem(path: str | None, max_age: float, now: float | None = None)
         return f"KV receiver heartbeat {path} is missing (receiver not running)"
     if age > max_age:
         return f"KV receiver heartbeat is {age:.1f} s old (receiver thread stopped)"
-    return None
+    try:
+        with open(path) as f:
+            closed = json.load(f).get("closed") is True
+    except (OSError, ValueError, AttributeError):
+        return None   # being replaced right now (written atomically, but it may vanish): the age says alive
+    return "KV receiver is closed (the engine is shutting down)" if closed else None
 
 
 async def _json(send, status: int, message: str, type_: str, code) -> None:

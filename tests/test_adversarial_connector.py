@@ -95,3 +95,60 @@ def test_a_received_transfer_is_rejected_or_written_only_into_its_requests_block
                 elif ok:
                     assert blk not in allowed, (seed, name, "block", blk, "of the request was not written")
     assert outcomes == {True, False}   # both kinds of case were exercised
+
+
+def test_a_transfer_id_serves_one_request_per_engine():
+    """A transfer id already used on this engine is refused, in use or not: the
+    producer's worker remembers failed ids and skips their layers, so a reused one
+    would be sent nowhere while its decode leg waited out --kv-timeout."""
+    from types import SimpleNamespace
+
+    c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # scheduler side only
+    c.is_producer, c._params, c._xfers, c._dest_open = True, {}, {}, {}
+    c._used_xfers = __import__("collections").OrderedDict()
+
+    def new(rid: str, xfer: str):
+        c.on_new_request(SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2, 3], kv_transfer_params={
+            "do_remote_decode": True, "remote_addr": "tcp://127.0.0.1:5555", "xfer_id": xfer}))
+        return c._params[rid]
+
+    assert new("r1", "x1")["role"] == "produce"
+    assert new("r2", "x1")["role"] == "invalid"                      # in use
+    c._release_xfer("x1", "r1")
+    bad = new("r3", "x1")                                             # used before: refused all the same
+    assert bad["role"] == "invalid" and "earlier request" in bad["error"]
+    for k in range(connector.USED_XFERS_KEPT):                        # the memory is bounded...
+        new(f"q{k}", f"y{k}")
+        c._release_xfer(f"y{k}", f"q{k}")
+    assert len(c._used_xfers) == connector.USED_XFERS_KEPT > connector.FAILED_XFERS_KEPT
+    assert new("r4", "x1")["role"] == "produce"                       # ...and an id long gone is usable again
+
+
+def test_every_breaker_opening_reaches_the_scheduler_side():
+    """The worker tells the scheduler side when a destination's breaker opens, closes
+    and opens again after a failed half-open probe (a new open_until): otherwise the
+    scheduler's "do not even try" entry expired after the first cooldown."""
+    from types import SimpleNamespace
+
+    import time as _time
+    state = {"state": "closed", "open_until": 0.0, "last_error": None}
+    told = []
+    c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # producer worker side only
+    c.is_producer, c._meta_failed, c._dest_reported = True, {}, {}
+    c._senders = {"tcp://d:1": SimpleNamespace(destinations=lambda: {"tcp://d:1": dict(state)})}
+    c.metrics = SimpleNamespace(destination=lambda addr, ok: told.append(ok))
+
+    def step():
+        m = c.build_connector_worker_meta()
+        return None if m is None else m.dests["tcp://d:1"][0]
+
+    assert step() is None                                               # usable from the start: nothing to say
+    now = _time.monotonic()
+    state.update(state="open", open_until=now + 2, last_error="refused")
+    assert 1 < step() <= 2 and step() is None                          # opened: told once
+    state.update(state="half_open")
+    assert step() is None                                               # the probe under way: nothing new
+    state.update(state="open", open_until=now + 4)
+    assert 3 < step() <= 4                                              # re-opened: told again
+    state.update(state="closed")
+    assert step() == 0.0 and told == [False, False, True]

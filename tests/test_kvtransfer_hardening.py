@@ -532,6 +532,34 @@ def test_curve_fails_closed_without_its_zap_handler(keys, closing):
     assert rx.stats.snapshot()["chunks_received"] == 0 and rx.completed() == []
 
 
+def test_a_receiver_whose_zap_handler_died_is_not_alive(keys, tmp_path, closing):
+    """Without its ZAP handler a CURVE receiver refuses every connection: it stops
+    counting as alive and stops refreshing its heartbeat (the worker's /health)."""
+    hb = tmp_path / "rx.json"
+    rx = KVReceiver(curve=ServerKeys.load(keys), heartbeat_path=hb)
+    closing(rx)
+    _until(hb.exists, what="heartbeat file")
+    assert rx.alive
+    assert rx._auth.stop()
+    assert not rx.alive
+    time.sleep(0.2)                      # a heartbeat being written right now may still land
+    seen = hb.stat().st_mtime
+    time.sleep(2.5)                      # the heartbeat is rewritten about once a second
+    assert hb.stat().st_mtime == seen
+
+
+def test_take_collects_a_result_without_blocking_or_raising(closing):
+    """The connector polls on the engine's thread: take() is the atomic ready-and-collect."""
+    rx = KVReceiver()
+    closing(rx)
+    assert rx.take("nothing") is None
+    _legit_roundtrip(rx.address, "t1")
+    _until(lambda: rx.ready("t1"), what="result")
+    got = rx.take("t1")
+    assert got is not None and got.ok and got.nbytes == 4000
+    assert rx.take("t1") is None and not rx.ready("t1")
+
+
 def test_curve_receiver_needs_its_own_context(keys):
     with pytest.raises(ValueError, match="own zmq.Context"):
         KVReceiver(curve=ServerKeys.load(keys), ctx=zmq.Context.instance())

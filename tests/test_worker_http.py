@@ -61,6 +61,10 @@ def test_health_follows_the_receiver_heartbeat(tmp_path, monkeypatch):
     os.utime(hb, (old, old))
     status, body, _ = call(g, "/health")
     assert status == 503 and "old" in body["error"]["message"]
+    # a fresh heartbeat of a closed receiver (the engine shutting down) is not alive either
+    hb.write_text(json.dumps({"time": time.time(), "closed": True, "stats": {}}))
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "closed" in body["error"]["message"]
 
 
 def test_no_receiver_means_plain_vllm_health(monkeypatch):
