@@ -22,8 +22,9 @@ More knobs for the dispatcher's failure handling:
 * ``kv_error`` (and ``kv_failed_dest``): a prefill leg (``do_remote_decode``)
   answers that its KV push failed, in the format of the real workers'
   ``kv_transfer_params``; on success it answers ``do_remote_prefill`` as they do;
-* ``pad_bytes``: that much filler text in every streamed chunk (large streams
-  for back-pressure tests); ``tokens_written`` counts the chunks written;
+* ``pad_bytes``: that much filler text in every streamed chunk, and per token
+  in an unstreamed answer (large answers for back-pressure tests);
+  ``tokens_written`` counts the chunks written;
 * ``cancelled`` counts generate calls whose client closed the connection before
   the answer was complete (the handler is cancelled, as vLLM aborts them).
 
@@ -170,11 +171,14 @@ class FakeWorker:
                       if chat else {"index": 0, "text": text, "finish_reason": "length"})
             if body.get("return_token_ids"):
                 choice["token_ids"] = ids
-            return web.json_response({
+            answer = {
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model, "choices": [choice], "kv_transfer_params": self._kv_answer(body),
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": max_tokens,
-                          "total_tokens": n_prompt + max_tokens}})
+                          "total_tokens": n_prompt + max_tokens}}
+            if self.pad_bytes:
+                answer["pad"] = "x" * (self.pad_bytes * max_tokens)
+            return web.json_response(answer)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(1, max_tokens + 1):

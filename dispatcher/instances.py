@@ -22,11 +22,13 @@ worker's:
   (``proserve:dispatcher_scrape_failures``), logged at debug level, and never
   counts against the worker's health.
 
-A worker that fails ``health_failures`` checks in a row, or whose connection
-fails during a request (refused, reset, closed: not a slow answer), leaves the
+A worker that fails ``health_failures`` checks in a row, or refuses a
+request's connection (or cannot be reached: not a slow answer), leaves the
 candidate set, and every request in flight on it is told at once
 (:meth:`Worker.mark_down` cancels their upstream calls), so none waits for a
-timeout. It rejoins by itself after its next good check.
+timeout. An established connection that breaks (reset, closed mid-answer) has
+it checked at once (:meth:`Registry.suspect`). It rejoins by itself after its
+next good check.
 """
 
 from __future__ import annotations

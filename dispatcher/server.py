@@ -22,9 +22,12 @@ first streamed token is its completion signal.
 Failures: a 4xx from a worker is the client's error and is passed on as is
 (but a 401 means the workers reject the dispatcher's own worker key: a
 configuration error, logged loudly; the worker leaves the candidate set and
-the client gets a 502/503 saying so). A worker that refuses, resets or closes
-the connection, or answers 5xx, leaves the candidate set at once and every
-request in flight on it is cancelled. A *slow* worker is not a dead one: a
+the client gets a 502/503 saying so). A worker that refuses connections (or
+cannot be reached) leaves the candidate set at once and every request in
+flight on it is cancelled. A connection that breaks once established (reset,
+closed mid-answer) or a 5xx fails only that request (retried elsewhere), and a
+broken connection has the worker checked at once: the check decides. A *slow*
+worker is not a dead one: a
 stream silent for ``stream_idle_timeout_s`` (default 60 s) ends that request
 only (504), an unstreamed request has only the total ``request_timeout_s``
 (default 600 s), and the worker stays in the set. A failed request is retried
@@ -52,6 +55,7 @@ must arrive within ``header_timeout_s`` (else the connection is closed:
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import time
@@ -97,11 +101,24 @@ from .requests import (
 
 logger = logging.getLogger("proserve.dispatcher")
 
-#: the connection to a worker failed. Cannot connect (ClientConnectorError): the worker leaves
-#: the candidate set at once; an established connection broke: that request fails and the
-#: worker is checked now (Registry.suspect). (aiohttp's read timeouts are ClientConnectionErrors
-#: too: _guarded catches them first.)
+#: the connection to a worker failed (see Dispatcher._connection_failed). (aiohttp's read
+#: timeouts are ClientConnectionErrors too: _guarded catches them first.)
 _CONN_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+#: errnos of a failed connect that are this host's own shortage (file descriptors, ports,
+#: buffers, memory), not the worker's fault: they fail the request but take no worker out
+_LOCAL_ERRNOS = frozenset(getattr(errno, n) for n in ("EMFILE", "ENFILE", "ENOBUFS", "ENOMEM", "EADDRNOTAVAIL")
+                          if hasattr(errno, n))
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A connect to the worker failed for the worker's sake (refused, unreachable, timed
+    out, name unknown): it leaves the candidate set. False for a broken established
+    connection and for this host's own shortage of resources."""
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return True
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return getattr(e.os_error, "errno", None) not in _LOCAL_ERRNOS
+    return False
 #: an error answered before the rest of a body this large was read closes the connection
 #: (smaller remainders are read and dropped by uvicorn, and the connection is kept)
 _DRAIN_LIMIT = 64 * 1024
@@ -229,12 +246,8 @@ class Dispatcher:
             except asyncio.TimeoutError as e:   # slow, not dead (aiohttp's read timeouts included)
                 last = f"{w.name}: {type(e).__name__}: {e}"
                 continue
-            except aiohttp.ClientConnectorError as e:
-                self.registry.failed(w, f"{type(e).__name__}: {e}")
-                last = f"{w.name}: {type(e).__name__}"
-                continue
             except _CONN_ERRORS as e:
-                self.registry.suspect(w, f"{type(e).__name__}: {e}")
+                self._connection_failed(w, e)
                 last = f"{w.name}: {type(e).__name__}"
                 continue
             except aiohttp.ClientError as e:
@@ -324,9 +337,8 @@ class Dispatcher:
                 task.cancel()
                 raise
             raise UpstreamError(w.name, f"worker went down ({w.last_error})") from None
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as e:
-            # cannot even connect (refused, unreachable): the worker is gone
-            self.registry.failed(w, f"{type(e).__name__}: {e}")
+        except aiohttp.ConnectionTimeoutError as e:   # (an asyncio.TimeoutError too: first)
+            self._connection_failed(w, e)
             raise UpstreamError(w.name, f"connection failed: {type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:                   # slow, not dead: w stays in the set
             self.metrics.timeouts.labels(what).inc()
@@ -334,13 +346,22 @@ class Dispatcher:
             raise UpstreamError(w.name, f"no answer within {limit:g} s ({what.replace('_', ' ')} timeout)",
                                 timeout=True) from None
         except _CONN_ERRORS as e:
-            # an established connection broke (reset, closed mid-answer): this request fails,
-            # but one broken connection is not a dead worker (a keep-alive race does it to a
-            # healthy one): check the worker now and let the check decide
-            self.registry.suspect(w, f"{type(e).__name__}: {e}")
+            self._connection_failed(w, e)
             raise UpstreamError(w.name, f"connection failed: {type(e).__name__}: {e}") from None
         finally:
             w.inflight.discard(task)
+
+    def _connection_failed(self, w: Worker, e: BaseException) -> None:
+        """A call to ``w`` failed at the connection level. Cannot connect (refused,
+        unreachable): ``w`` is gone, out of the set now. Otherwise -- an established
+        connection broke (reset, closed mid-answer: a keep-alive race does it to a healthy
+        worker), or this host ran short of sockets -- only this request fails and ``w`` is
+        checked now; the check decides."""
+        why = f"{type(e).__name__}: {e}"
+        if _unreachable(e):
+            self.registry.failed(w, why)
+        else:
+            self.registry.suspect(w, why)
 
     async def _post_json(self, w: Worker, path: str, body: dict) -> dict:
         """An unstreamed leg (the session's timeouts: connect only; the caller's deadline bounds it)."""
@@ -716,6 +737,40 @@ class _EventStream(StreamingResponse):
             await self._on_close()
 
 
+class _Answer(JSONResponse):
+    """An unstreamed answer that keeps its request's concurrency slot until it is written,
+    so that answers a client does not read count against the limits. Writing it is bounded
+    too: by the request's deadline, and at least ``ANSWER_WRITE_GRACE_S`` (the server then
+    closes a connection whose response it could not complete)."""
+
+    def __init__(self, content, release, deadline: float, **kw):
+        super().__init__(content, **kw)
+        self._release = release
+        self._deadline = max(deadline, asyncio.get_running_loop().time() + ANSWER_WRITE_GRACE_S)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                # in pieces: the server waits for the client between them (a single send of
+                # the whole body would sit in the transport's buffer, whatever the client reads)
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                body, step = self.body, ANSWER_PIECE_BYTES
+                for i in range(0, max(len(body), 1), step):
+                    await send({"type": "http.response.body", "body": body[i:i + step],
+                                "more_body": i + step < len(body)})
+        except TimeoutError:
+            logger.info("an answer was not read by its client in time; its connection is closed")
+        finally:
+            self._release()
+
+
+#: least time a client is given to read an unstreamed answer (see _Answer)
+ANSWER_WRITE_GRACE_S = 30.0
+#: an unstreamed answer is written in pieces of this size
+ANSWER_PIECE_BYTES = 64 << 10
+
+
 def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
     """The FastAPI app serving ``dispatcher``; its lifespan starts and stops the health checks."""
 
@@ -811,7 +866,7 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                                   else "overloaded").inc()
                 M.requests.labels("-", "rejected").inc()
             return error(e, close=_body_left(headers))
-        handed_over = False
+        handed_over = slot_kept = False
         try:
             # 3. the body (size and time limits), then the request itself
             body_read = False
@@ -841,13 +896,14 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
             M.in_flight.inc()
             ended = False
 
-            def end(outcome: str, err: str | None = None) -> None:
+            def end(outcome: str, err: str | None = None, release: bool = True) -> None:
                 nonlocal ended
                 if not ended:
                     ended = True
                     D.finish(job, outcome, err)
                     M.in_flight.dec()
-                    slot.release()
+                    if release:
+                        slot.release()
 
             deadline = asyncio.get_running_loop().time() + D.cfg.request_timeout_s
             agen = D.events(job)
@@ -861,8 +917,10 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 D.count_tokens(job, t, first)
                 if not job.stream:
                     _strip(job, first)
-                    end("ok")
-                    return JSONResponse(first, headers={"x-request-id": job.id})
+                    end("ok", release=False)
+                    answer = _Answer(first, slot.release, deadline, headers={"x-request-id": job.id})
+                    slot_kept = True              # by the answer, until it is written
+                    return answer
                 gen = _sse(job, agen, first, deadline, end)
 
                 async def on_close():
@@ -905,7 +963,7 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 if not handed_over:
                     await agen.aclose()
         finally:
-            if not handed_over:
+            if not (handed_over or slot_kept):
                 slot.release()
 
     async def _sse(job: Job, agen, first: dict, deadline: float, end):

@@ -15,10 +15,13 @@ are on what the dispatcher decided and counted, never on how fast this host is
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import json
 import logging
 import re
 
+import aiohttp
 import pytest
 from dispatcher_helpers import RawConn, harness, metric, post_head, run, until
 
@@ -319,6 +322,47 @@ def test_a_client_that_reads_nothing_does_not_grow_the_stream_queue():
     run(go())
 
 
+def test_an_unstreamed_answer_holds_its_slot_until_the_client_has_it():
+    """A ~16 MB unstreamed answer to a client that reads nothing for a while: the request
+    is done upstream, but its slot (and the answer's memory) stays counted until the
+    client has read it."""
+    async def go():
+        async with harness(worker_kw={"pad_bytes": 16000, "max_model_len": 100_000}) as h:
+            c = await RawConn.open(h.url, rcvbuf=16384)
+            try:
+                payload = json.dumps(body(max_tokens=1000)).encode()
+                await c.send(post_head("/v1/completions", KEY, length=len(payload)) + payload)
+                await until(lambda: now_metric(h, "proserve:dispatcher_requests_total", outcome="ok") == 1,
+                            timeout=30, what="the request to end upstream")
+                await asyncio.sleep(0.5)
+                assert h.d.limiter.total == 1, "the slot was given back before the answer was written"
+                status, _, raw = await c.response(timeout=60)
+                assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 1000
+                await until(lambda: h.d.limiter.total == 0, what="the slot to be given back")
+            finally:
+                c.close()
+    run(go())
+
+
+def test_an_unstreamed_answer_nobody_reads_gives_its_slot_back_at_the_deadline(monkeypatch):
+    from dispatcher import server
+    monkeypatch.setattr(server, "ANSWER_WRITE_GRACE_S", 0.5)
+
+    async def go():
+        async with harness(request_timeout_s=3.0, worker_kw={"pad_bytes": 16000, "max_model_len": 100_000}) as h:
+            c = await RawConn.open(h.url, rcvbuf=16384)
+            try:
+                payload = json.dumps(body(max_tokens=1000)).encode()
+                await c.send(post_head("/v1/completions", KEY, length=len(payload)) + payload)
+                await until(lambda: h.d.limiter.total == 1, what="the request to be admitted")
+                await until(lambda: h.d.limiter.total == 0, timeout=20, what="the slot back at the deadline")
+                with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+                    await c.response(timeout=20)          # the connection was closed mid-answer
+            finally:
+                c.close()
+    run(go())
+
+
 def test_shutdown_does_not_wait_forever_for_a_stalled_client():
     """uvicorn waits for open responses on shutdown: a client that reads nothing must not
     keep the dispatcher from stopping (shutdown_timeout_s)."""
@@ -446,6 +490,27 @@ def test_one_broken_connection_does_not_take_a_healthy_worker_down():
             assert metric(m, "proserve:dispatcher_broken_connections_total", instance="p0") == 1
             assert (await h.post("/v1/completions", body())).status_code == 200
     run(go())
+
+
+def test_only_a_connect_the_worker_failed_takes_it_out():
+    """Refused, unreachable or timed-out connects take a worker out; a broken established
+    connection or this host's own shortage (EMFILE: out of file descriptors, which would
+    hit every worker at once) only fails the request."""
+    from types import SimpleNamespace
+
+    from dispatcher.server import _unreachable
+    key = SimpleNamespace(host="127.0.0.1", port=1, ssl=None)
+
+    def connect_error(code):
+        return aiohttp.ClientConnectorError(key, OSError(code, os.strerror(code)))
+
+    assert _unreachable(connect_error(errno.ECONNREFUSED))
+    assert _unreachable(connect_error(errno.EHOSTUNREACH))
+    assert _unreachable(aiohttp.ConnectionTimeoutError("connect timed out"))
+    assert not _unreachable(connect_error(errno.EMFILE))
+    assert not _unreachable(connect_error(errno.EADDRNOTAVAIL))
+    assert not _unreachable(aiohttp.ServerDisconnectedError())
+    assert not _unreachable(aiohttp.ClientOSError(errno.ECONNRESET, "reset"))
 
 
 def test_a_worker_that_restarts_rejoins_and_serves():
