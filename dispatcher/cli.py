@@ -21,7 +21,7 @@ examples:
   python -m dispatcher --config cluster.toml --keys keys.toml
   # co-located instances (whole requests on one engine), Min-Load routing
   python -m dispatcher --deployment colocated --prefill http://127.0.0.1:8100 --global-policy min_load
-  # workers started with an API key (vLLM's --api-key): the dispatcher sends it on every call
+  # workers started with an API key (their --api-key-file): the dispatcher sends it on every call
   python -m dispatcher --config cluster.toml --keys keys.toml --worker-key-file secrets/worker.key
 
 requests: POST /v1/completions or /v1/chat/completions with 'Authorization: Bearer <key>'; optional

@@ -35,13 +35,14 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       url = "http://127.0.0.1:8200"
       kv_addr = "tcp://127.0.0.1:15600"   # where this decode worker receives KV (its --kv-listen)
 
-  Instances on other hosts are just other URLs and KV addresses (bind the
-  workers to a non-loopback address only on a trusted network).
+  Instances on other hosts are just other URLs and KV addresses (the workers
+  refuse a non-loopback address without their API key and CURVE keys; see the
+  README's security model).
 
   The worker key (``worker_api_key_file``, ``--worker-key-file``, or else the
   environment variable ``PROSERVE_WORKER_API_KEY``) is sent as
   ``Authorization: Bearer <key>`` on every call to a worker; start the workers
-  with the same key (vLLM's ``--api-key``).
+  with the same key (their ``--api-key-file``).
 
 * the **keys file** (``--keys``) maps each API key to a client, its priority
   class and the SLO range it may ask for::

@@ -47,10 +47,8 @@ class UpstreamError(Exception):
     request that ends on such an error is answered 504 rather than 502.
     """
 
-    def __init__(self, worker: str, message: str, status: int | None = None, retryable: bool = True,
-                 timeout: bool = False):
+    def __init__(self, worker: str, message: str, status: int | None = None, timeout: bool = False):
         super().__init__(f"{worker}: {message}")
         self.worker = worker
         self.status = status
-        self.retryable = retryable
         self.timeout = timeout

@@ -84,6 +84,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import connector_metrics
 from .auth import ClientKeys, ServerKeys
+from .common import TransferError
 from .receiver import KVReceiver
 from .sender import DestinationUnavailable, KVSender
 
@@ -105,6 +106,8 @@ FAILED_XFERS_KEPT = 4096
 #: scheduler side: ids used before and refused again; more than FAILED_XFERS_KEPT, so an
 #: id still remembered as failed can never start a new transfer that would be skipped
 USED_XFERS_KEPT = 4 * FAILED_XFERS_KEPT
+#: producer worker: KV destinations with a sender (sockets, breaker) at once
+MAX_DESTINATIONS = 64
 
 
 class TransferParamsError(ValueError):
@@ -248,7 +251,7 @@ class ProServeConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._block_dim = 0
-        self._senders: dict[str, KVSender] = {}
+        self._senders: collections.OrderedDict[str, KVSender] = collections.OrderedDict()  # least recent first
         self._receiver: KVReceiver | None = None
         self._done_sending: set[str] = set()
         self._finishing: dict[str, tuple[str, str]] = {}  # xfer -> (req_id, addr), awaiting ack
@@ -257,7 +260,6 @@ class ProServeConnector(KVConnectorBase_V1):
         self._dest_reported: dict[str, float | None] = {}  # dest -> open_until last told (None: usable)
         self._step = 0                                  # producer: steps with saves, orders chunks
         self._loads: dict[str, tuple[LoadSpec, float]] = {}
-        self._failed_loads: set[str] = set()
         self.metrics = connector_metrics.get()
 
     # ================================ scheduler side ===================================
@@ -450,10 +452,21 @@ class ProServeConnector(KVConnectorBase_V1):
 
     def _sender(self, addr: str) -> KVSender:
         s = self._senders.get(addr)
-        if s is None:
-            curve = ClientKeys.load(self.keys_dir) if self.keys_dir else None
-            s = self._senders[addr] = KVSender(addr, timeout=self.timeout_s, connect_timeout=self.connect_timeout_s,
-                                               curve=curve, allow_insecure_remote=self.insecure)
+        if s is not None:
+            self._senders.move_to_end(addr)
+            return s
+        if len(self._senders) >= MAX_DESTINATIONS:
+            # a request names its destination: bound the sockets (and breakers) that keeps
+            # open by closing the least recently used one with nothing in flight
+            idle = next((a for a, x in self._senders.items() if not x.pending()), None)
+            if idle is None:
+                raise TransferError(f"KV transfers to {MAX_DESTINATIONS} destinations are in flight; "
+                                    f"no room for another destination ({addr})")
+            self._senders.pop(idle).close()
+            self._dest_reported.pop(idle, None)
+        curve = ClientKeys.load(self.keys_dir) if self.keys_dir else None
+        s = self._senders[addr] = KVSender(addr, timeout=self.timeout_s, connect_timeout=self.connect_timeout_s,
+                                           curve=curve, allow_insecure_remote=self.insecure)
         return s
 
     def _transfer_failed(self, xfer: str, addr: str, e: BaseException) -> None:

@@ -224,6 +224,8 @@ MIN_CHUNK_PAYLOAD = 1024
 #: Failed transfers remembered (so later calls for them fail at once) until the
 #: caller finishes or aborts them; beyond this many the oldest are forgotten.
 MAX_FAILED_KEPT = 4096
+#: replies read per _pump call at most (a flooding receiver cannot hold the caller there)
+PUMP_MAX_MESSAGES = 1024
 #: A DEALER's receive queue limit, in messages: only small control messages come
 #: back (credit, ack, nack), far fewer than this from a well-behaved receiver.
 SENDER_RCVHWM = 1 << 17
@@ -767,7 +769,7 @@ class KVSender:
         other threads poke after applying incoming messages themselves."""
         start = time.monotonic()
         while True:
-            self._pump(ch)
+            more = self._pump(ch)
             if tx.state == "failed" or tx.generation != ch.generation or pred():
                 return
             now = time.monotonic()
@@ -781,7 +783,8 @@ class KVSender:
             self._waiters += 1
             self._lock.release()
             try:
-                r, _, _ = select.select(fds, [], [], max(0.0, min(wake - now, 0.05 if self._waiters <= 1 else 0.005)))
+                nap = 0.0 if more else max(0.0, min(wake - now, 0.05 if self._waiters <= 1 else 0.005))
+                r, _, _ = select.select(fds, [], [], nap)   # (ZeroMQ's fd is edge-triggered)
                 if self._pipe_r in r:
                     try:
                         os.read(self._pipe_r, 4096)
@@ -885,15 +888,18 @@ class KVSender:
         ch.fd = ch.mon_fd = -1
         ch.ready = False
 
-    def _pump(self, ch: _Channel) -> None:
-        """Read and apply everything the receiver sent, then the connection's
-        events (non-blocking)."""
+    def _pump(self, ch: _Channel) -> bool:
+        """Read and apply what the receiver sent (up to PUMP_MAX_MESSAGES), then the
+        connection's events (non-blocking). True when messages were left unread."""
         sock = ch.sock
         if sock is None:
-            return
+            return False
         n = 0
-        # ZMQ_EVENTS first: cheaper than a recv raising zmq.Again (this runs once per layer)
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # ZMQ_EVENTS first: cheaper than a recv raising zmq.Again (this runs once per layer).
+        # At most PUMP_MAX_MESSAGES per call: a receiver that sends replies as fast as they are
+        # read must not hold the engine's thread (and this lock) here; the rest waits for the
+        # next call
+        while n < PUMP_MAX_MESSAGES and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -924,6 +930,7 @@ class KVSender:
             except BlockingIOError:
                 pass
         self._pump_events(ch)
+        return n >= PUMP_MAX_MESSAGES
 
     def _apply_credit(self, ch: _Channel, h: dict) -> None:
         if h["init"]:

@@ -73,7 +73,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     sec.add_argument("--kv-insecure", action="store_true",
                      help="allow KV over a non-loopback address without CURVE (unauthenticated, unencrypted)")
     ap.add_argument("--kv-timeout", type=float, default=30.0,
-                    help="seconds a KV transfer may take in all, every layer of it (default 30)")
+                    help=("seconds a request waits for its KV before --kv-failure applies (default 30)"
+                          if role == "decode" else
+                          "seconds one KV transfer may spend waiting on its destination (connection, credit, "
+                          "acknowledgement), all its layers together; the engine's own compute time between "
+                          "layers does not count (default 30)"))
     if role == "decode":
         ap.add_argument("--kv-listen", default="tcp://127.0.0.1:15600",
                         help="ZeroMQ address where this worker receives KV (default tcp://127.0.0.1:15600; "

@@ -152,3 +152,29 @@ def test_every_breaker_opening_reaches_the_scheduler_side():
     assert 3 < step() <= 4                                              # re-opened: told again
     state.update(state="closed")
     assert step() == 0.0 and told == [False, False, True]
+
+
+def test_kv_destinations_are_bounded(monkeypatch):
+    """A request names where its KV goes: a producer keeps at most MAX_DESTINATIONS
+    senders (sockets, breakers), closing the least recently used idle one; with all of
+    them busy a new destination fails its transfer instead of opening more."""
+    import collections
+
+    monkeypatch.setattr(connector, "MAX_DESTINATIONS", 3)
+    c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # producer worker side only
+    c._senders, c._dest_reported = collections.OrderedDict(), {}
+    c.keys_dir, c.timeout_s, c.connect_timeout_s, c.insecure = None, 1.0, 0.5, False
+    addrs = [f"tcp://127.0.0.1:{20000 + i}" for i in range(5)]
+    try:
+        first = [c._sender(a) for a in addrs[:3]]
+        assert c._sender(addrs[0]) is first[0]                 # reused, and now the most recent
+        c._sender(addrs[3])                                     # addrs[1] was the least recent: closed
+        assert list(c._senders) == [addrs[2], addrs[0], addrs[3]]
+        for a in list(c._senders):
+            c._senders[a].begin("busy-" + a[-5:])               # every one has a transfer in flight
+        with pytest.raises(connector.TransferError, match="no room"):
+            c._sender(addrs[4])
+        assert len(c._senders) == 3
+    finally:
+        for s in c._senders.values():
+            s.close()

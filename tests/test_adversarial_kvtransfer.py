@@ -520,3 +520,56 @@ def test_a_receivers_tiny_max_message_fails_the_transfer_instead_of_stalling_the
         stop.set()
         th.join(timeout=5)
         router.close(0)
+
+
+def test_a_flooding_receiver_cannot_hold_the_sender_in_one_call(closing):
+    """Problem: the sender read replies for as long as any were queued, holding the engine's
+    thread (and the sender's lock) while a receiver kept sending. Now one call reads at
+    most PUMP_MAX_MESSAGES; the rest are read by later calls."""
+    import threading
+
+    from kvtransfer import sender as sender_mod
+
+    N = 5000
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, 0)                  # (a ROUTER drops what is past its HWM)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop, flooded = threading.Event(), threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if router.poll(50):
+                frames = router.recv_multipart()
+                if msgpack.unpackb(frames[1])["kind"] == "hello":
+                    router.send_multipart([frames[0], msgpack.packb(
+                        {"v": 1, "kind": "credit", "bytes": 1 << 30, "init": True, "max_message": 1 << 20})])
+                    for _ in range(N):
+                        router.send_multipart([frames[0], b"\xc1junk"])
+                    flooded.set()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    tx = KVSender(f"tcp://127.0.0.1:{port}", timeout=5.0)
+    closing(tx)
+
+    def read():
+        return tx.stats.snapshot()["rejected"].get("bad_msgpack", 0)
+
+    try:
+        tx.send_layer("x", 0, [0], np.zeros(16, np.uint8))
+        assert flooded.wait(10)
+        time.sleep(0.5)                               # all of it queued at the sender by now
+        before = read()
+        assert N - before > sender_mod.PUMP_MAX_MESSAGES
+        tx.destination_ok()                           # one call: one bounded read
+        assert read() - before == sender_mod.PUMP_MAX_MESSAGES
+        for _ in range(N):
+            if read() == N:
+                break
+            tx.destination_ok()
+        assert read() == N
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        router.close(0)
