@@ -6,7 +6,8 @@ configure it under ``additional_config={"proserve": {...}}`` (``python -m
 prefill --local-policy ...`` does both; see :class:`EngineConfig`).
 
 How the two decisions of Algorithm 1 reach vLLM, with vLLM left to do the rest
-(block allocation, prefix cache, KV connector, outputs):
+(block allocation, prefix cache, KV connector, outputs); the vLLM internals this
+takes are all in :mod:`prefill.vllm_shim`, checked when the engine starts:
 
 1. **Which requests, in which order.** Before vLLM's ``schedule()`` runs, the
    plugin shows the policy an :class:`~scheduler.local.base.InstanceView` built
@@ -59,28 +60,28 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
 from typing import Any
 
-from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
 
 from scheduler.local.base import PREFILL_ONLY, InstanceView
-from scheduler.request import ConfigError, Phase, Request as PolicyRequest
+from scheduler.request import ConfigError, Phase
+from scheduler.request import Request as PolicyRequest
 
+from . import vllm_shim
 from .engine_config import EngineConfig, build
 from .params import ParamsError, parse
 
 logger = logging.getLogger("proserve.scheduler")
-_SCHEDULABLE = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 class ProServeScheduler(Scheduler):
     """A thin vLLM ``Scheduler`` whose batch decisions come from a ``scheduler/`` policy."""
 
     def __init__(self, vllm_config, *args: Any, **kwargs: Any) -> None:
+        vllm_shim.check()              # an unsupported vLLM stops here, saying why
         super().__init__(vllm_config, *args, **kwargs)
+        vllm_shim.check_instance(self)
         extra = getattr(vllm_config, "additional_config", None) or {}
         cfg = self.ps_config = EngineConfig.from_dict(extra.get("proserve"))
         if getattr(self.scheduler_config, "async_scheduling", False):
@@ -129,7 +130,7 @@ class ProServeScheduler(Scheduler):
         for r in out:
             # stop strings end requests here too (the front end detects them), not only aborts
             self._finished(self._views.pop(r.request_id, None), now,
-                           aborted=finished_status == RequestStatus.FINISHED_ABORTED)
+                           aborted=finished_status == vllm_shim.ABORTED)
         return out
 
     def _finished(self, v: PolicyRequest | None, now: float, aborted: bool = False) -> None:
@@ -149,7 +150,7 @@ class ProServeScheduler(Scheduler):
     def _sync(self, req) -> PolicyRequest | None:
         """Refresh the policy's copy of a vLLM request; None if it cannot be scheduled now."""
         v = self._views.get(req.request_id)
-        if v is None or req.status not in _SCHEDULABLE:
+        if v is None or req.status not in vllm_shim.SCHEDULABLE:
             return None
         done = req.num_computed_tokens
         n_out = req.num_output_tokens
@@ -166,14 +167,14 @@ class ProServeScheduler(Scheduler):
 
     def _view(self, now: float) -> InstanceView:
         waiting, decoding = [], []
-        for q in (self.running, self.kv_holding_waiting, self.waiting):
+        for q in vllm_shim.queues(self):
             for req in q:
                 v = self._sync(req)
                 if v is None:
                     continue
                 (waiting if v.needs_prefill else decoding).append(v)
         return InstanceView(now=now, waiting=waiting, decoding=decoding,
-                            free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                            free_blocks=vllm_shim.free_blocks(self),
                             block_size=self.block_size, mode=self.mode)
 
     # -- one step ------------------------------------------------------------------------
@@ -214,21 +215,12 @@ class ProServeScheduler(Scheduler):
             for r in view.decoding:
                 caps.setdefault(r.id, 1)
         order = [r.id for r, _ in plan.prefill] + [r.id for r in plan.decode]
-        saved = self.waiting, self.kv_holding_waiting
-        self.waiting = self._planned_queue(saved[0], caps, order)
-        self.kv_holding_waiting = self._planned_queue(saved[1], caps, order)
         self._caps = caps
         try:
-            out = super().schedule(*args, **kwargs)
+            with vllm_shim.planned_queues(self, caps, order):
+                out = super().schedule(*args, **kwargs)
         finally:
             self._caps = None
-            # what the step did not take (and anything preempted into the temporary
-            # queues) goes back in front of the requests the plan left out
-            for tmp, orig in ((self.waiting, saved[0]), (self.kv_holding_waiting, saved[1])):
-                if tmp:
-                    # FCFS prepend_requests reverses its argument (it is extendleft)
-                    orig.prepend_requests(reversed(list(tmp)) if isinstance(orig, deque) else list(tmp))
-            self.waiting, self.kv_holding_waiting = saved
         info = plan.info
         if not plan.empty:
             self.metrics.plan(info, self.estimator.beta)
@@ -238,33 +230,9 @@ class ProServeScheduler(Scheduler):
                          plan.num_tokens, info.est_time)
         return out
 
-    @staticmethod
-    def _planned_queue(queue, caps: dict[str, int], order: list[str]):
-        """Move the planned requests of ``queue`` into a new queue, in plan order,
-        followed by the blocked ones (waiting for remote KV or a grammar): vLLM's
-        loop is what notices they became ready, so it must still see them."""
-        tmp = create_request_queue(SchedulingPolicy.FCFS)
-        if not queue:
-            return tmp
-        planned, blocked = {}, []
-        for req in queue:
-            if req.request_id in caps:
-                planned[req.request_id] = req
-            elif req.status not in _SCHEDULABLE:
-                blocked.append(req)
-        if not planned and not blocked:
-            return tmp
-        queue.remove_requests(list(planned.values()) + blocked)
-        for rid in order:
-            req = planned.get(rid)
-            if req is not None:
-                tmp.add_request(req)
-        for req in blocked:
-            tmp.add_request(req)
-        return tmp
-
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # the last per-request clamp of vLLM's schedule(): apply the plan's chunk here
+        # (a private vLLM method: vllm_shim.check verifies it exists with this signature)
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if self._caps is None:
             return n
@@ -330,7 +298,7 @@ class ProServeScheduler(Scheduler):
                 self._record.write(json.dumps({
                     "step": self.steps, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
                     "sched_s": sched_s, "est": est_raw * beta_before, "beta": beta,
-                    "waiting": len(self.waiting) + len(self.kv_holding_waiting), "admitted": admitted,
+                    "waiting": vllm_shim.num_waiting(self), "admitted": admitted,
                     "scheduled": scheduled, "finished": finished, "plan": self._plan_record}) + "\n")
         return outputs
 

@@ -61,6 +61,7 @@ def test_bpe_merges_shorten_text(tok):
 
 
 def test_chat_template_renders_roles_and_generation_prompt(tok):
+    pytest.importorskip("jinja2", reason="transformers renders chat templates with jinja2 (in the [test] extra)")
     text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert text == "<s><|system|>\nBe brief.</s>\n<|user|>\nHi there</s>\n<|assistant|>\n"
     assert tok.apply_chat_template(CHAT, tokenize=False).endswith("Hi there</s>\n")

@@ -1,0 +1,157 @@
+"""Every private vLLM internal the engine plugin (``prefill.engine_scheduler``)
+relies on, in one place, checked at start-up.
+
+vLLM's scheduler has no public hook to reorder its waiting queue or to cap one
+request's chunk for one step, so the plugin reaches inside it. The touch points:
+
+* ``Scheduler.waiting`` and ``Scheduler.kv_holding_waiting``: the two waiting
+  queues (requests new or preempted; requests holding KV blocks while they wait
+  for remote KV). :func:`planned_queues` swaps them, for the duration of one
+  ``schedule()`` call, for queues holding the planned requests in plan order.
+* ``RequestQueue.add_request / remove_requests / prepend_requests`` and
+  ``create_request_queue(SchedulingPolicy.FCFS)``: how those queues are built
+  and given back.
+* ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
+  num_new_tokens) -> int``: the last per-request clamp vLLM applies (in its
+  running and its waiting loop) before allocating blocks; the plugin overrides
+  it to apply the plan's chunk.
+* ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()``: the free KV
+  blocks the policy sees.
+* ``vllm.v1.request.RequestStatus`` (WAITING, RUNNING, PREEMPTED,
+  FINISHED_ABORTED) and the request fields ``num_computed_tokens``,
+  ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``.
+
+:func:`check` runs before the engine starts: a vLLM outside
+:data:`SUPPORTED` (the range tested, also pinned in ``pyproject.toml``) or
+lacking one of the touch points stops it with :class:`UnsupportedVLLM` saying
+what is wrong. ``PROSERVE_ALLOW_UNSUPPORTED_VLLM=1`` skips the version check
+(to try a newer vLLM); the touch points are checked all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections import deque
+from collections.abc import Iterator
+
+import vllm
+from packaging.version import InvalidVersion, Version
+from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from scheduler.request import ConfigError
+
+#: vLLM releases the plugin is tested on: [low, high)
+SUPPORTED = ("0.32", "0.33")
+ALLOW_ENV = "PROSERVE_ALLOW_UNSUPPORTED_VLLM"
+#: statuses of requests a policy may schedule now
+SCHEDULABLE = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+ABORTED = RequestStatus.FINISHED_ABORTED
+
+_LOOKAHEAD = "_reserve_prefill_lookahead"
+_LOOKAHEAD_PARAMS = ["self", "request", "num_computed_tokens", "num_new_tokens"]
+_QUEUE_METHODS = ("add_request", "remove_requests", "prepend_requests")
+
+
+class UnsupportedVLLM(ConfigError):
+    """The installed vLLM lacks what the engine plugin needs."""
+
+
+def check(version: str | None = None, scheduler_cls: type = Scheduler) -> None:
+    """Raise :class:`UnsupportedVLLM` unless ``version`` (default: the installed
+    vLLM's) is in :data:`SUPPORTED` and ``scheduler_cls`` has the touch points."""
+    version = vllm.__version__ if version is None else version
+    lo, hi = SUPPORTED
+    if os.environ.get(ALLOW_ENV) != "1":
+        try:
+            v = Version(version).release[:2]
+        except InvalidVersion:
+            raise UnsupportedVLLM(f"vLLM version {version!r} cannot be parsed; the ProServe scheduler "
+                                  f"supports vLLM >= {lo}, < {hi} ({ALLOW_ENV}=1 to try it anyway)") from None
+        if not Version(lo).release <= v < Version(hi).release:
+            raise UnsupportedVLLM(f"vLLM {version} is not supported by the ProServe scheduler, which reaches "
+                                  f"into vLLM's scheduler internals tested on vLLM >= {lo}, < {hi}: install "
+                                  f"a supported vLLM, or set {ALLOW_ENV}=1 to try this one")
+    hook = getattr(scheduler_cls, _LOOKAHEAD, None)
+    if not callable(hook):
+        raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_LOOKAHEAD} is missing; the ProServe scheduler "
+                              f"applies each request's planned chunk there")
+    params = list(inspect.signature(hook).parameters)
+    if params != _LOOKAHEAD_PARAMS:
+        raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_LOOKAHEAD} takes ({', '.join(params)}), not the "
+                              f"({', '.join(_LOOKAHEAD_PARAMS)}) the ProServe scheduler overrides")
+    queue = create_request_queue(SchedulingPolicy.FCFS)
+    missing = [m for m in _QUEUE_METHODS if not callable(getattr(queue, m, None))]
+    if missing:
+        raise UnsupportedVLLM(f"vLLM {version}: its request queue lacks {', '.join(missing)}")
+
+
+def check_instance(sched: Scheduler) -> None:
+    """The touch points that exist only once a scheduler is built."""
+    for name in ("waiting", "kv_holding_waiting", "running", "requests"):
+        if not hasattr(sched, name):
+            raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{name} is missing; the ProServe "
+                                  f"scheduler reads and reorders vLLM's queues")
+    pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
+    if not callable(getattr(pool, "get_num_free_blocks", None)):
+        raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.kv_cache_manager.block_pool."
+                              f"get_num_free_blocks is missing")
+
+
+def queues(sched: Scheduler) -> tuple:
+    """vLLM's request queues in the order a policy's view lists them."""
+    return sched.running, sched.kv_holding_waiting, sched.waiting
+
+
+def num_waiting(sched: Scheduler) -> int:
+    return len(sched.waiting) + len(sched.kv_holding_waiting)
+
+
+def free_blocks(sched: Scheduler) -> int:
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+@contextlib.contextmanager
+def planned_queues(sched: Scheduler, caps: dict[str, int], order: list[str]) -> Iterator[None]:
+    """For one ``schedule()`` call: vLLM's waiting queues hold only the requests of
+    ``caps`` in ``order`` (plus the blocked ones, which vLLM must still see to notice
+    they became ready). Afterwards what the step did not take (and anything vLLM
+    preempted into them) goes back in front of the requests the plan left out."""
+    saved = sched.waiting, sched.kv_holding_waiting
+    sched.waiting = _planned_queue(saved[0], caps, order)
+    sched.kv_holding_waiting = _planned_queue(saved[1], caps, order)
+    try:
+        yield
+    finally:
+        for tmp, orig in ((sched.waiting, saved[0]), (sched.kv_holding_waiting, saved[1])):
+            if tmp:
+                # FCFS prepend_requests reverses its argument (it is extendleft)
+                orig.prepend_requests(reversed(list(tmp)) if isinstance(orig, deque) else list(tmp))
+        sched.waiting, sched.kv_holding_waiting = saved
+
+
+def _planned_queue(queue, caps: dict[str, int], order: list[str]):
+    """Move the planned requests of ``queue`` into a new queue, in plan order,
+    followed by the blocked ones (waiting for remote KV or a grammar)."""
+    tmp = create_request_queue(SchedulingPolicy.FCFS)
+    if not queue:
+        return tmp
+    planned, blocked = {}, []
+    for req in queue:
+        if req.request_id in caps:
+            planned[req.request_id] = req
+        elif req.status not in SCHEDULABLE:
+            blocked.append(req)
+    if not planned and not blocked:
+        return tmp
+    queue.remove_requests(list(planned.values()) + blocked)
+    for rid in order:
+        req = planned.get(rid)
+        if req is not None:
+            tmp.add_request(req)
+    for req in blocked:
+        tmp.add_request(req)
+    return tmp
