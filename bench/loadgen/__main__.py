@@ -1,0 +1,8 @@
+"""``python -m bench.loadgen``: runs :func:`bench.loadgen.cli.main` and exits with its status."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
