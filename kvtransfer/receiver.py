@@ -188,6 +188,13 @@ class _ZapHandler:
 
 
 DEFAULT_MAX_HELD_BYTES = 2 << 30
+DEFAULT_MAX_PEER_BYTES = 1 << 30
+DEFAULT_MAX_OPEN_TRANSFERS = 1024
+DEFAULT_STALE_AFTER_S = 30.0
+DEFAULT_RESULT_TTL_S = 120.0
+CONTROL_ALLOWANCE = 64          # control messages (hello, ...) budgeted per connection beyond the data
+HEARTBEAT_INTERVAL_S = 1.0
+
 #: What a kept chunk costs beyond its payload (its header's Python objects, the ZeroMQ
 #: frame, its LayerData), and per block id it carries (a list slot and an int object).
 #: Counted in the held bytes, so that chunks with little or no payload (or a header of
@@ -199,12 +206,7 @@ BLOCK_ID_BYTES = 40
 def chunk_held_bytes(payload_bytes: int, n_blocks: int) -> int:
     """What one kept chunk counts against the receiver's memory caps."""
     return payload_bytes + CHUNK_OVERHEAD_BYTES + BLOCK_ID_BYTES * n_blocks
-DEFAULT_MAX_PEER_BYTES = 1 << 30
-DEFAULT_MAX_OPEN_TRANSFERS = 1024
-DEFAULT_STALE_AFTER_S = 30.0
-DEFAULT_RESULT_TTL_S = 120.0
-CONTROL_ALLOWANCE = 64          # control messages (hello, ...) budgeted per connection beyond the data
-HEARTBEAT_INTERVAL_S = 1.0
+
 
 _RECEIVER_STATS = ("bytes_received", "chunks_received", "messages_received", "transfers_completed",
                    "transfers_failed", "transfers_aborted", "transfers_abandoned", "transfers_stale",
@@ -878,8 +880,8 @@ class KVReceiver:
         st.set("stored_results", stored)
         st.set("open_transfers", len(self._open))
         st.set("peers", len(self._peers))
-        if self._auth is None or self._auth.thread.is_alive():
-            self._write_heartbeat()   # a receiver that refuses every connection is not alive
+        if self.alive:
+            self._write_heartbeat()   # (not for a receiver that refuses every connection: see alive)
 
     def _gc(self, now: float) -> None:
         for x, t in list(self._open.items()):

@@ -6,11 +6,11 @@ the JSON body of one request (:func:`request_body`, ``--api vllm`` or
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from dispatcher.config import read_file
 from scheduler.request import ConfigError, Request
 
 from .workload import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB, check_fraction
@@ -122,22 +122,11 @@ def read_keys_file(path: str | Path) -> dict[str, str]:
     """Class -> API key from the dispatcher's keys file (``--keys``: TOML, or JSON by
     its ``.json`` suffix; ``[[keys]]`` entries with ``key``, ``client``, ``class``):
     for each class the first entry of that class."""
-    p = Path(path)
-    where = f"--keys {p}"
+    where = f"--keys {Path(path)}"
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read ({e.strerror})") from None
-    if p.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not valid JSON (line {e.lineno}): {e.msg}") from None
-    else:
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{where}: not valid TOML: {e}") from None
+        data = read_file(path)
+    except ConfigError as e:
+        raise ConfigError(f"--keys {e}") from None
     items = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(items, list) or not items:
         raise ConfigError(f"{where}: needs a non-empty list 'keys' ([[keys]] in TOML)")
