@@ -64,7 +64,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from scheduler.local.base import PREFILL_ONLY, InstanceView
+from scheduler.local.base import PREFILL_ONLY, InstanceView, admission_reserve
 from scheduler.request import ConfigError, Phase
 from scheduler.request import Request as PolicyRequest
 
@@ -175,7 +175,8 @@ class ProServeScheduler(Scheduler):
                 (waiting if v.needs_prefill else decoding).append(v)
         return InstanceView(now=now, waiting=waiting, decoding=decoding,
                             free_blocks=vllm_shim.free_blocks(self),
-                            block_size=self.block_size, mode=self.mode)
+                            block_size=self.block_size, mode=self.mode,
+                            reserve_blocks=admission_reserve(len(decoding), vllm_shim.total_blocks(self)))
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):

@@ -15,8 +15,8 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
   num_new_tokens) -> int``: the last per-request clamp vLLM applies (in its
   running and its waiting loop) before allocating blocks; the plugin overrides
   it to apply the plan's chunk.
-* ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()``: the free KV
-  blocks the policy sees.
+* ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()`` and
+  ``.num_gpu_blocks``: the free and total KV blocks the policy sees.
 * ``vllm.v1.request.RequestStatus`` (WAITING, RUNNING, PREEMPTED,
   FINISHED_ABORTED) and the request fields ``num_computed_tokens``,
   ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``.
@@ -96,9 +96,10 @@ def check_instance(sched: Scheduler) -> None:
             raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{name} is missing; the ProServe "
                                   f"scheduler reads and reorders vLLM's queues")
     pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
-    if not callable(getattr(pool, "get_num_free_blocks", None)):
+    if not callable(getattr(pool, "get_num_free_blocks", None)) or not isinstance(
+            getattr(pool, "num_gpu_blocks", None), int):
         raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.kv_cache_manager.block_pool."
-                              f"get_num_free_blocks is missing")
+                              f"get_num_free_blocks or num_gpu_blocks is missing")
 
 
 def queues(sched: Scheduler) -> tuple:
@@ -112,6 +113,10 @@ def num_waiting(sched: Scheduler) -> int:
 
 def free_blocks(sched: Scheduler) -> int:
     return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def total_blocks(sched: Scheduler) -> int:
+    return sched.kv_cache_manager.block_pool.num_gpu_blocks
 
 
 @contextlib.contextmanager

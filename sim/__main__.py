@@ -78,6 +78,7 @@ def run_spec(spec: RunSpec, keep_requests: bool = False) -> dict:
     out = {
         "policy": spec.sim.local_policy, "global": spec.sim.global_policy, "rate": spec.rate,
         "seed": spec.seed, "requests": len(reqs), "wall_s": wall, "sim_steps": res.steps,
+        "preemptions": res.preemptions,
         "duration_s": res.duration, "gain": {"w_p": gain.w_p, "w_d": gain.w_d, "deadline": gain.deadline},
         "metrics": metrics_dict(res.requests, gain, res.duration),
     }
@@ -177,7 +178,7 @@ def cmd_run(args) -> int:
     row = {"policy": spec.sim.local_policy, "rate": spec.rate, "metrics": res["metrics"]}
     print(f"# {len(res['records'])} requests, {spec.sim.deployment}, local={spec.sim.local_policy}, "
           f"global={spec.sim.global_policy}, rate={spec.rate}, simulated {res['duration_s']:.1f} s "
-          f"in {res['wall_s']:.2f} s wall")
+          f"in {res['wall_s']:.2f} s wall ({res['sim_steps']} steps, {res['preemptions']} preemptions)")
     print(format_table([row]))
     print()
     print(format_table([{"class": k, "metrics": {"all": v}} for k, v in res["metrics"].items()],

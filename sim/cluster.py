@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
-from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView, blocks_for
+from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView, admission_reserve, blocks_for
 from scheduler.registry import make_global, make_local
 from scheduler.request import ConfigError, Phase, PriorityClass, Request
 from scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance, PrefillQueueMap
@@ -103,6 +103,7 @@ class SimResult:
     timeline: list[TimelinePoint]
     steps: int
     betas: list[float]
+    preemptions: int = 0   # recompute preemptions (and decode-side swaps) over the run
 
 
 class _Instance:
@@ -129,6 +130,8 @@ class _Instance:
         self.macro_times: np.ndarray | None = None  # end times of a macro-step's steps
         self.macro_k = 0
         self.step_start = 0.0
+        self.admitted: dict[str, int] = {}  # request id -> admission sequence number (vLLM's running order)
+        self.admit_seq = 0
 
     def blocks_held(self, r: Request) -> int:
         return math.ceil(r.kv_len / self.block_size)
@@ -181,6 +184,7 @@ class Simulator:
         self._seq = 0
         self.timeline: list[TimelinePoint] = []
         self.steps = 0
+        self.preemptions = 0
         self._decode_target: dict[str, int] = {}
         self._kv_source: dict[str, _Instance] = {}
 
@@ -208,7 +212,7 @@ class Simulator:
                 self._on_kv_arrived(*payload, now)
         end = max((r.token_times[-1] for r in reqs if r.token_times), default=now)
         betas = [i.est.beta for i in self.front + self.decoders]
-        return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas)
+        return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas, self.preemptions)
 
     # -- arrivals and routing ----------------------------------------------------------
     def _on_arrival(self, r: Request, now: float) -> None:
@@ -235,6 +239,7 @@ class Simulator:
     def _finished(self, r: Request, now: float) -> None:
         """``r`` emitted its last token (or failed): tell the policies that learn from it."""
         if r.instance is not None:
+            self.front[r.instance].admitted.pop(r.id, None)
             pol = self.front[r.instance].policy
             if pol is not None:
                 pol.on_request_finished(r, now)
@@ -259,18 +264,27 @@ class Simulator:
     # -- stepping -------------------------------------------------------------------------
     def _ensure_decode_memory(self, inst: _Instance, now: float) -> None:
         """vLLM-style recompute preemption (co-located): if running decodes cannot all
-        grow by a token, preempt the most recently admitted ones back to the waiting queue."""
+        grow by a token, preempt the most recently admitted running request — a decode or
+        a partial prefill, as vLLM's scheduler takes ``running[-1]`` — back to the waiting
+        queue, until they can."""
         bs = self.block_size
         need = sum(1 for r in inst.decoding if r.kv_len % bs == 0)
         while need > inst.free_blocks and inst.decoding:
-            victim = inst.decoding.pop()
-            if victim.kv_len % bs == 0:
-                need -= 1
+            victim = max((r for r in inst.decoding + inst.waiting if r.kv_len > 0),
+                         key=lambda r: inst.admitted.get(r.id, -1))
             inst.free_blocks += inst.blocks_held(victim)
-            victim.preempt()
-            self.qmap.decode_finished(inst.id)
-            self.qmap.add(inst.id, victim, now)
-            inst.waiting.insert(0, victim)
+            if victim.phase is Phase.DECODING:
+                inst.decoding.remove(victim)
+                if victim.kv_len % bs == 0:
+                    need -= 1
+                victim.preempt()
+                self.qmap.decode_finished(inst.id)
+                self.qmap.add(inst.id, victim, now)
+                inst.waiting.insert(0, victim)
+            else:
+                victim.preempt()   # a partial prefill: already queued, starts over
+            inst.admitted.pop(victim.id, None)
+            self.preemptions += 1
 
     def _start_step(self, inst: _Instance, now: float) -> None:
         inst.busy = False
@@ -293,7 +307,7 @@ class Simulator:
                     plan.decode.append(r)
         else:
             view = InstanceView(now, inst.waiting, inst.decoding, inst.free_blocks, self.block_size, inst.mode,
-                                reserve_blocks=len(inst.decoding) + inst.total_blocks // 100)
+                                reserve_blocks=admission_reserve(len(inst.decoding), inst.total_blocks))
             plan = inst.policy.schedule(view)
             if self.cfg.record_timeline:
                 i = plan.info
@@ -303,6 +317,9 @@ class Simulator:
             return self._unstick(inst, now)
         # allocate KV blocks for the step
         for r, n in plan.prefill:
+            if r.kv_len == 0:
+                inst.admit_seq += 1
+                inst.admitted[r.id] = inst.admit_seq   # admission order, for preemption
             inst.free_blocks -= blocks_for(r, n, bs)
         k = 1
         if self.cfg.fast_forward and not plan.prefill and not inst.waiting and not inst.pending_kv \
@@ -337,16 +354,21 @@ class Simulator:
             victim = inst.decoding.pop()
             inst.free_blocks += inst.blocks_held(victim)
             inst.pending_kv.insert(0, victim)
+            self.preemptions += 1
             return self._start_step(inst, now)
         partial = [r for r in inst.waiting if r.kv_len > 0]
         if partial:
             victim = partial[-1]          # the most recently started partial prefill
             inst.free_blocks += inst.blocks_held(victim)
             victim.preempt()
+            inst.admitted.pop(victim.id, None)
+            self.preemptions += 1
         elif inst.decoding:
             victim = inst.decoding.pop()  # recompute-preempt the newest decode
             inst.free_blocks += inst.blocks_held(victim)
             victim.preempt()
+            inst.admitted.pop(victim.id, None)
+            self.preemptions += 1
             self.qmap.decode_finished(inst.id)
             self.qmap.add(inst.id, victim, now)
             inst.waiting.insert(0, victim)
@@ -426,6 +448,7 @@ class Simulator:
             inst.free_blocks += inst.blocks_held(r)
             self._finished(r, now)
             return
+        inst.admitted.pop(r.id, None)
         dec = self.decoders[self._decode_target[r.id]]
         self._kv_source[r.id] = inst  # its blocks are freed once the decode side has the KV
         dec.pending_kv.append(r)

@@ -24,7 +24,7 @@ import random
 
 import pytest
 
-from scheduler import ConfigError, Estimator, LatencyModel, Request, make_local
+from scheduler import ConfigError, Estimator, LatencyModel, Request, make_local, registry
 from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
 from scheduler.local.base import blocks_for
 
@@ -129,10 +129,29 @@ def test_vllm_fcfs_memory():
     # 100 tokens = 7 blocks of 16; 10 free: w1 fits whole, w2 (7 more) does not
     plan = policy("vllm_fcfs").schedule(view([w1, w2], free_blocks=10))
     assert chunks(plan) == [("w1", 100)]
-    # the first prompt (300 tokens = 19 blocks) gets what fits: 10 blocks = 160 tokens
+    # a prompt whose whole KV (300 tokens = 19 blocks) does not fit is not admitted, and
+    # FCFS does not let w2 pass it (vLLM's scheduler_reserve_full_isl): the step decodes
     big = wait("big", 0.0, 300)
+    plan = policy("vllm_fcfs").schedule(view([big, w2], [dec("d", 0.0)], free_blocks=10))
+    assert chunks(plan) == [] and decs(plan) == ["d"]
+    # once it holds KV (admitted earlier), it continues with what memory allows
+    big.advance_prefill(16, 0.5)
     plan = policy("vllm_fcfs").schedule(view([big, w2], free_blocks=10))
     assert chunks(plan) == [("big", 160)]
+
+
+def test_new_requests_are_admitted_only_when_their_whole_prefill_fits():
+    """The admission rule of every policy (BatchBuilder.admissible), the same in the
+    simulator and the engine: a request without KV takes blocks only if its whole
+    remaining prefill fits above the reserve; one holding KV may take any free block."""
+    for name in registry.local_names():
+        new = wait("new", 0.0, 300)                      # 19 blocks
+        plan = policy(name).schedule(view([new], free_blocks=18))
+        assert chunks(plan) == [], name
+        plan = policy(name).schedule(InstanceView(0.0, [new], [], 20, 16, COLOCATED, reserve_blocks=2))
+        assert chunks(plan) == [], name                  # 20 free but 2 reserved
+        plan = policy(name).schedule(view([new], free_blocks=19))
+        assert [r for r, _ in chunks(plan)] == ["new"], name
 
 
 def test_vllm_fcfs_prefill_only_mode():
@@ -363,9 +382,12 @@ def test_weighted_vtc_serves_backlogged_classes_in_weight_ratio(mode):
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_memory_limits_respected(name):
     w = wait("w", 0.0, 500)
+    # a new prompt of 32 blocks is not admitted into 2 free blocks (its whole prefill must fit)
+    assert chunks(policy(name).schedule(view([w], mode=PREFILL_ONLY, free_blocks=2))) == []
+    w.advance_prefill(16, 0.1)                  # admitted earlier: holds one block
     big = policy(name).schedule(view([w], mode=PREFILL_ONLY))
     small = policy(name).schedule(view([w], mode=PREFILL_ONLY, free_blocks=2))
-    # 2 free blocks of 16 tokens hold 32 tokens of the prompt
+    # 2 free blocks of 16 tokens hold 32 more tokens of the prompt
     assert chunks(small) == [("w", 32)]
     assert big.num_tokens > small.num_tokens
     # decodes at a block boundary need a new block: with 0 free blocks they cannot run

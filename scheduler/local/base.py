@@ -66,6 +66,13 @@ class BatchPlan:
         return sum(n for _, n in self.prefill) + len(self.decode)
 
 
+def admission_reserve(n_decoding: int, total_blocks: int) -> int:
+    """``InstanceView.reserve_blocks`` as every body sets it: one block of growth per
+    running decode plus 1 % of the cache, kept from new requests so that admitting
+    prompts does not make the next decode steps preempt."""
+    return n_decoding + total_blocks // 100
+
+
 def blocks_for(req: Request, n_tokens: int, block_size: int) -> int:
     """New KV blocks ``req`` needs to grow by ``n_tokens``."""
     return math.ceil((req.kv_len + n_tokens) / block_size) - math.ceil(req.kv_len / block_size)
@@ -96,13 +103,23 @@ class BatchBuilder:
         """Blocks ``req`` may take: all free ones if it already holds KV, else those above the reserve."""
         return self.free_blocks if req.kv_len > 0 else self.free_blocks - self.view.reserve_blocks
 
+    def admissible(self, req: Request) -> bool:
+        """May ``req`` take KV blocks this step? One that holds KV already may; a new one
+        (or one preempted back to the start) only if its whole prefill fits in the blocks
+        above the reserve — vLLM's admission rule (``scheduler_reserve_full_isl``, on by
+        default): a prompt admitted chunk by chunk into memory it cannot finish in would
+        push running requests out, which then push it out (recompute thrash)."""
+        if req.kv_len > 0:
+            return True
+        return blocks_for(req, req.remaining_prefill, self.view.block_size) <= self.available_blocks(req)
+
     def can_fit(self, req: Request, n_tokens: int) -> bool:
-        return blocks_for(req, n_tokens, self.view.block_size) <= self.available_blocks(req)
+        return self.admissible(req) and blocks_for(req, n_tokens, self.view.block_size) <= self.available_blocks(req)
 
     def add_prefill(self, req: Request, n_tokens: int) -> int:
         """Add up to ``n_tokens`` of ``req``'s prompt, fewer if memory is short. Returns tokens added."""
-        if req.kv_len == 0 and self.free_blocks <= self.view.reserve_blocks:
-            return 0   # a new request gets no block below the reserve (the common case under overload)
+        if not self.admissible(req):
+            return 0
         n = min(n_tokens, req.remaining_prefill)
         bs = self.view.block_size
         avail = self.available_blocks(req)

@@ -248,8 +248,9 @@ class SLOsServe(LocalPolicy):
                 budget -= dcost(r.kv_len)
                 n_adm += 1
         pre_adm.sort(key=_pddl)
+        one = self.est.prefill(1, 0)                            # the cheapest chunk there is
         for r in pre_adm:                                       # prefill budget by pDDL
-            if budget < _ONE:
+            if budget < _ONE or t0 - b.time < one:              # no chunk fits any more
                 break
             n = self._chunk(b, r, budget, t0)
             if n:
@@ -277,7 +278,7 @@ class SLOsServe(LocalPolicy):
         start_be = now - self._mem_pressure_at >= self._horizon
         pre_be.sort(key=_be_order)
         for r in pre_be:
-            if budget < _ONE:
+            if budget < _ONE or t0 - b.time < one:
                 break
             if r.kv_len == 0 and not start_be:
                 continue
@@ -303,15 +304,12 @@ class SLOsServe(LocalPolicy):
         GETMAXCHUNK allows in the batch time left before ``t0``; with ``keep``, only
         as many tokens as fit while leaving ``keep`` KV blocks free."""
         n = min(r.remaining_prefill, int(budget + 1e-9))   # +eps: decode costs are float multiples of a token
-        if n <= 0:
+        room = b.free_blocks - keep
+        if n <= 0 or (keep and room <= 0) or not b.admissible(r):
             return 0
         n = min(n, self.est.get_max_chunk(r.kv_len, n, t0 - b.time))
         if keep:
-            bs = b.view.block_size
-            room = b.free_blocks - keep
-            if room <= 0:
-                return 0
-            n = min(n, room * bs + (-r.kv_len) % bs)
+            n = min(n, room * b.view.block_size + (-r.kv_len) % b.view.block_size)
         return b.add_prefill(r, n)   # 0 if n <= 0
 
     def _progress(self, b: BatchBuilder, waiting) -> None:

@@ -10,9 +10,10 @@
 * the first admitted request is taken whole even when its prompt exceeds the
   token budget: vLLM requires ``max_num_batched_tokens >= max_model_len`` when
   chunked prefill is off, so a prompt never waits on the budget there; here the
-  budget is a plain parameter and this keeps a long prompt from starving. When
-  the KV memory cannot hold its whole prompt, it gets as much as fits (and
-  continues first next step);
+  budget is a plain parameter and this keeps a long prompt from starving. A
+  prompt whose whole KV does not fit in the free memory is not admitted (the
+  rule of every policy, :meth:`BatchBuilder.admissible`); it waits for running
+  requests to finish;
 * otherwise (nothing waiting, nothing admissible) a decode-only batch of the
   running requests in arrival order, up to ``max_num_seqs``, memory permitting
   (a decode that needs a block that is not free is skipped; vLLM would preempt).
