@@ -21,6 +21,7 @@ running product would drift on any bias).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import deque
@@ -29,6 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .cost import StepCosts
 from .request import ConfigError
 
 COEFFS = ("a_p", "b_p", "c_p", "a_d", "b_d", "t_c")
@@ -78,16 +80,20 @@ class LatencyModel:
         if self.c_p <= 0 and self.a_p <= 0:
             raise ConfigError("latency model: prefill cost is zero (a_p = c_p = 0); GETMAXCHUNK would be unbounded")
 
-    # -- Eq. 5-7 -------------------------------------------------------------
+    # -- Eq. 5-7 (scheduler.cost, at β = 1) -------------------------------------
+    @functools.cached_property
+    def unit(self) -> StepCosts:
+        """The model's own costs (β = 1)."""
+        return StepCosts.of(self)
+
     def prefill_time(self, l_q: int, l_kv: int = 0) -> float:
-        return self.a_p * l_q * l_q + self.b_p * l_q * l_kv + self.c_p * l_q
+        return self.unit.prefill(l_q, l_kv)
 
     def decode_time(self, l_kv: int) -> float:
-        return self.a_d * l_kv + self.b_d
+        return self.unit.decode(l_kv)
 
     def batch_time(self, prefills: Iterable[tuple[int, int]] = (), decodes: Iterable[int] = ()) -> float:
-        return (sum(self.prefill_time(q, k) for q, k in prefills)
-                + sum(self.decode_time(k) for k in decodes) + self.t_c)
+        return self.unit.batch(prefills, decodes)
 
     def predict(self, sample: BatchSample) -> float:
         return self.batch_time(sample.prefills, sample.decodes)
@@ -217,43 +223,37 @@ class Estimator:
     def __init__(self, model: LatencyModel, corrector: OnlineCorrector | None = None):
         self.model = model
         self.corrector = corrector or OnlineCorrector()
+        self._costs: StepCosts | None = None
+        self._costs_of: LatencyModel | None = None
 
     @property
     def beta(self) -> float:
         return self.corrector.beta
 
+    def costs(self) -> StepCosts:
+        """Eq. 5-7 at the current β (:mod:`scheduler.cost`); rebuilt only when β or the model changed."""
+        c = self._costs
+        if c is None or c.beta != self.corrector.beta or self._costs_of is not self.model:
+            c = self._costs = StepCosts.of(self.model, self.corrector.beta)
+            self._costs_of = self.model
+        return c
+
     @property
     def t_c(self) -> float:
-        return self.beta * self.model.t_c
+        return self.costs().t_c
 
     def prefill(self, l_q: int, l_kv: int = 0) -> float:
-        return self.beta * self.model.prefill_time(l_q, l_kv)
+        return self.costs().prefill(l_q, l_kv)
 
     def decode(self, l_kv: int) -> float:
-        return self.beta * self.model.decode_time(l_kv)
+        return self.costs().decode(l_kv)
 
     def batch(self, prefills: Iterable[tuple[int, int]] = (), decodes: Iterable[int] = ()) -> float:
-        return self.beta * self.model.batch_time(prefills, decodes)
+        return self.costs().batch(prefills, decodes)
 
     def observe(self, t_real: float, prefills: Iterable[tuple[int, int]], decodes: Iterable[int], now: float) -> float:
         return self.corrector.observe(t_real, self.model.batch_time(prefills, decodes), now)
 
     def get_max_chunk(self, l_kv: int, remaining: int, budget: float) -> int:
-        """GETMAXCHUNK: largest l_q ≤ ``remaining`` with β·T~_p(l_q, l_kv) ≤ ``budget``.
-
-        Solves a_p·l² + (b_p·l_kv + c_p)·l - budget/β = 0 for its positive root.
-        """
-        if budget <= 0 or remaining <= 0:
-            return 0
-        m = self.model
-        b = budget / self.beta
-        lin = m.b_p * l_kv + m.c_p
-        if m.a_p > 0:
-            root = (-lin + math.sqrt(lin * lin + 4 * m.a_p * b)) / (2 * m.a_p)
-        else:
-            root = b / lin
-        n = min(remaining, int(root + 1e-9))  # +eps: float noise just below an integer root
-        # guard the floor against rounding at the boundary
-        while n > 0 and m.prefill_time(n, l_kv) > b * (1 + 1e-12):
-            n -= 1
-        return max(n, 0)
+        """GETMAXCHUNK: largest l_q ≤ ``remaining`` with β·T~_p(l_q, l_kv) ≤ ``budget``."""
+        return self.costs().max_chunk(l_kv, remaining, budget)

@@ -92,6 +92,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from .config import check_in_range
+from .cost import StepCosts
 from .request import ConfigError
 
 _BIG = 1 << 40  # "unbounded" batch size when no line limits it
@@ -255,13 +256,8 @@ class Roofline:
         to the largest chunk that takes ``max_time`` seconds."""
         if not (isinstance(max_time, (int, float)) and max_time > model.t_c):
             raise ConfigError(f"roofline: max_time must exceed t_c = {model.t_c:g} s, got {max_time!r}")
-        lin = model.c_p
-        room = max_time - model.t_c
-        if model.a_p > 0:
-            n_hi = (-lin + math.sqrt(lin * lin + 4 * model.a_p * room)) / (2 * model.a_p)
-        else:
-            n_hi = room / lin
-        n_hi = max(2, int(n_hi))
+        # GETMAXCHUNK on an empty cache: the largest chunk with t_c + T~_p(N) <= max_time
+        n_hi = max(2, StepCosts.of(model).max_chunk(0, 1 << 40, max_time - model.t_c))
         grid = sorted({max(1, int(round(v))) for v in np.geomspace(1, n_hi, points)})
         samples = [(n, 0, model.batch_time([(n, 0)], ())) for n in grid]
         return cls.fit(samples, pieces)
@@ -298,7 +294,7 @@ def decode_tokens(model, roofline: Roofline, l_kv: float, at_tokens: float) -> f
     k = roofline.marginal(at_tokens)
     if k <= 0:
         return 1.0
-    return (model.a_d * l_kv + model.b_d) / k
+    return model.decode_time(l_kv) / k
 
 
 # --------------------------------------------------------------------------------------

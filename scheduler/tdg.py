@@ -76,7 +76,7 @@ class GainConfig:
 
     def next_token_deadline(self, req: Request) -> float:
         """deadline_{r, output_len+1}: the deadline of the next token to emit."""
-        return self.token_deadline(req, req.num_emitted + 1)
+        return self.token_deadline(req, len(req.token_times) + 1)
 
     def next_token_weight(self, req: Request) -> float:
         """w_r(output_len + 1), the numerator of density (Alg. 1 line 5)."""

@@ -393,14 +393,12 @@ class Simulator:
         return max(k, 1)
 
     def _macro_durations(self, inst: _Instance, decodes: list[Request], k: int) -> np.ndarray:
-        m = self.truth
         n = len(decodes)
-        base = m.t_c + sum(m.decode_time(r.kv_len) for r in decodes)
-        durs = base + m.a_d * n * np.arange(k)
+        kv_sum = sum(r.kv_len for r in decodes)
+        durs = self.truth.unit.decode_run(kv_sum, n, k)
         if inst.noise_cv > 0:
             durs = durs * np.array([inst.noise() for _ in range(k)])
-        est_total = inst.est.model.t_c * k + sum(inst.est.model.decode_time(r.kv_len) for r in decodes) * k \
-            + inst.est.model.a_d * n * k * (k - 1) / 2
+        est_total = inst.est.model.unit.decode_run_total(kv_sum, n, k)
         inst.est.corrector.observe(float(durs.sum()), est_total, inst.step_start + float(durs.sum()))
         return durs
 

@@ -194,9 +194,7 @@ class LocalPolicy(ABC):
 
     def exec_time(self, r: Request) -> float:
         """r.exec (Alg. 1 line 3): T~_pd of the request's next work, without t_c."""
-        if r.needs_prefill:
-            return self.est.prefill(r.remaining_prefill, r.kv_len)
-        return self.est.decode(r.kv_len)
+        return self.est.costs().next_work(r)
 
 
 def check_params(where: str, **params: float) -> None:

@@ -284,10 +284,9 @@ class GMAX(LocalPolicy):
     def _analyze(self, Q: list[Request], now: float, colocated: bool, v_step: float, tb: int) -> None:
         """Alg. 1 lines 2-6 for every request: r.exec ← t_gen(r), r.remain ← time to its
         next token's deadline, r.density ← Priority(r)."""
-        est, gain, bound = self.est, self.gain, self.bound
-        m, beta = est.model, est.beta
-        ap, bp, cp = beta * m.a_p, beta * m.b_p, beta * m.c_p
-        ad, bd, t_c = beta * m.a_d, beta * m.b_d, est.t_c
+        gain, bound = self.gain, self.bound
+        cost = self.est.costs()
+        t_c = cost.t_c
         tdg = self.goodput == "tdg"
         w_p, w_d = (gain.w_p, gain.w_d) if tdg else (1.0, 1.0)
         delta, waited = self.delta, self._waited
@@ -298,14 +297,14 @@ class GMAX(LocalPolicy):
             q = r.prefill_len - r.prefilled
             if q > 0:
                 # prefill: T~_p (Eq. 5) plus one step per token-budget chunk
-                t_first = (ap * q + bp * r.kv_len + cp) * q + (-(-q // tb)) * step_base
+                t_first = cost.prefill(q, r.kv_len) + (-(-q // tb)) * step_base
             else:
                 t_first = v_step
             if colocated:
                 v = v_step
                 t_gen = t_first + (L - 1) * v                         # len_rem·v_token (+ prefill)
             else:
-                v = t_c + ad * (r.prompt_len + n) + bd                # decode elsewhere, lightly loaded
+                v = t_c + cost.decode(r.prompt_len + n)               # decode elsewhere, lightly loaded
                 t_gen = t_first                                       # this instance's bandwidth: the prefill
             d_next = gain.next_token_deadline(r)                      # deadline_{r,n+1} (Eq. 3)
             w = r.weight if tdg else 1.0
@@ -363,14 +362,14 @@ class GMAX(LocalPolicy):
         self._last_decodes = []
         if not Q:
             return b.finish(token_budget=tb)
-        est, m = self.est, self.est.model
+        est = self.est
         t_d = est.decode(sum(_context(r) for r in Q) / len(Q))   # T~_d at the mean context (Eq. 6)
         B = self.last_B = self._group_size(Q, view.mode, tb, t_d)
         # v_token: one step of the running batch (t_c + its decodes, Eq. 6-7)
         if colocated and view.decoding:
             dec = view.decoding
             mean_kv = sum(r.kv_len for r in dec) / len(dec)
-            v_step = est.t_c + min(B, len(dec)) * est.beta * (m.a_d * mean_kv + m.b_d)
+            v_step = est.t_c + min(B, len(dec)) * est.decode(mean_kv)
         else:
             v_step = est.t_c + t_d
         self._analyze(Q, view.now, colocated, v_step, tb)

@@ -29,7 +29,9 @@ Defaults, which the paper leaves open:
 from __future__ import annotations
 
 import math
+import operator
 
+from ..cost import queue_terms
 from ..registry import register_local
 from ..request import ConfigError
 from .base import COLOCATED, PREFILL_ONLY, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
@@ -68,29 +70,15 @@ class SlideBatching(LocalPolicy):
     # -- Alg. 1 lines 1-7 --------------------------------------------------------
     def _annotate(self, Q, now: float) -> float:
         """Set r.exec, r.remain, r.density; return min remain (t_min)."""
-        est, gain = self.est, self.gain
-        m, beta = est.model, est.beta
-        ap, bp, cp = beta * m.a_p, beta * m.b_p, beta * m.c_p
-        ad, bd = beta * m.a_d, beta * m.b_d
-        w_p, w_d = gain.w_p, gain.w_d
-        anchored = gain.deadline == "ttft_anchored"
+        execs, remains = queue_terms(self.est.costs(), self.gain, Q, now)   # lines 3-4
+        w_p, w_d = self.gain.w_p, self.gain.w_d
         t_min = math.inf
-        for r in Q:
-            n = len(r.token_times)
-            if r.prefilled < r.prefill_len:
-                q = r.prefill_len - r.prefilled
-                ex = (ap * q + bp * r.kv_len + cp) * q          # Eq. 5
-            else:
-                ex = ad * r.kv_len + bd                         # Eq. 6
+        for r, ex, rem in zip(Q, execs, remains):
             if ex <= 0:
                 ex = 1e-9
-            anchor = r.ttft_slo
-            if anchored and n:
-                anchor = min(r.token_times[0] - r.arrival, anchor)
-            rem = r.arrival + anchor + n * r.tpot_slo - now     # line 4
             r.exec = ex
             r.remain = rem
-            r.density = (w_p if n == 0 else w_d) * r.weight / ex  # line 5
+            r.density = (w_d if r.token_times else w_p) * r.weight / ex  # line 5
             if rem < t_min:
                 t_min = rem
         return t_min
@@ -133,10 +121,10 @@ class SlideBatching(LocalPolicy):
         if self.ordering == "density":
             for r in Q:
                 r.urgent = True
-            return sorted(Q, key=_by_density_desc), len(Q), 0
+            return sorted(Q, key=_by_density, reverse=True), len(Q), 0
         urgent = [r for r in Q if r.urgent]
         normal = [r for r in Q if not r.urgent]
-        urgent.sort(key=_by_density_desc)
+        urgent.sort(key=_by_density, reverse=True)   # stable, as a key of -density
         normal.sort(key=_by_remain)
         return urgent + normal, len(urgent), len(normal)
 
@@ -162,9 +150,9 @@ class SlideBatching(LocalPolicy):
     # -- Alg. 1 lines 14-18 ----------------------------------------------------------
     def _fill_time(self, b: BatchBuilder, ordered, t_budget: float) -> None:
         est = self.est
-        m = est.model
+        c = est.costs()
         # nothing costs less than one prefill token or one decode step: stop when even that won't fit
-        cheapest = est.beta * min(m.a_p + m.c_p, m.b_d) if m.b_d > 0 else 0.0
+        cheapest = min(c.prefill(1, 0), c.decode(0))
         for r in ordered:
             left = t_budget - b.time
             if left <= cheapest:
@@ -188,9 +176,5 @@ class SlideBatching(LocalPolicy):
                 b.add_decode(r)
 
 
-def _by_remain(r):
-    return r.remain
-
-
-def _by_density_desc(r):
-    return -r.density
+_by_remain = operator.attrgetter("remain")
+_by_density = operator.attrgetter("density")

@@ -402,9 +402,8 @@ class SLOsServe(LocalPolicy):
         k_hat = self.roofline.marginal(tokens)
         if self.decode_cost == "unit" or k_hat <= 0:
             return _unit_cost
-        m = self.est.model
-        a_d, b_d, inv_k = m.a_d, m.b_d, 1.0 / k_hat
-        return lambda l_kv: (a_d * l_kv + b_d) * inv_k
+        decode, inv_k = self.est.model.unit.decode, 1.0 / k_hat      # Eq. 6 without β: the roofline
+        return lambda l_kv: decode(l_kv) * inv_k                      # is fitted to the model, β applied in time2bs
 
     @property
     def mean_output_len(self) -> float:

@@ -193,14 +193,7 @@ class UniBoost(LocalPolicy):
 
     def service_time(self, r: Request, s_hat: int, dec: bool) -> float:
         """x: seconds to serve ``s_hat`` tokens of ``r``'s current phase alone (units, see module doc)."""
-        if self.token_seconds is not None:
-            return s_hat * self.token_seconds
-        est = self.est
-        if dec:
-            x = s_hat * (est.decode(r.prompt_len) + est.t_c)        # ŝ steps of Eq. 6 + t_c
-        else:
-            x = est.prefill(s_hat, 0) + est.t_c                     # Eq. 5 + t_c
-        return x if x > 0 else 1e-12
+        return _service_time(self.est.costs(), self.token_seconds, r, s_hat, dec)
 
     def priority(self, r: Request) -> float:
         """π(r) = a_r - b_γ(x(QUANTIZE(SIGNAL(r)))) under the current γ (lines 6-9), no hysteresis."""
@@ -234,11 +227,8 @@ class UniBoost(LocalPolicy):
         k, memguard, delta = self.k, self.memguard, self.delta
         phase_entry = self.a_ref == "phase_entry"
         tau = self.token_seconds
-        est = self.est
-        beta, m = est.beta, est.model
-        t_c = beta * m.t_c
-        ap, cp = beta * m.a_p, beta * m.c_p
-        ad, bd = beta * m.a_d, beta * m.b_d
+        costs = self.est.costs()
+        prefill, decode, t_c = costs.prefill, costs.decode, costs.t_c
         log, expm1 = math.log, math.expm1
         old_pins, running = self._pins, self._running
         pins: dict[str, tuple[bool, int]] = {}
@@ -254,12 +244,13 @@ class UniBoost(LocalPolicy):
                 s_hat = k if q <= 1 else k << (q.bit_length() - 1)
             else:
                 s_hat = s if s > 0 else 1
+            # x: _service_time written out (the hot loop)
             if tau is not None:
                 x = s_hat * tau
             elif dec:
-                x = s_hat * (ad * r.prompt_len + bd + t_c)
+                x = s_hat * (decode(r.prompt_len) + t_c)
             else:
-                x = (ap * s_hat + cp) * s_hat + t_c
+                x = prefill(s_hat, 0) + t_c
             if x <= 0:
                 x = 1e-12
             a = tt[0] if dec and phase_entry else r.arrival
@@ -304,3 +295,15 @@ class UniBoost(LocalPolicy):
         if not self.adaptive or req.error is not None or not req.token_times:
             return
         self.tail.observe(req.token_times[-1] - req.arrival)   # TTLT sample for γ-Ada
+
+
+def _service_time(c, tau: float | None, r: Request, s_hat: int, dec: bool) -> float:
+    """x of :meth:`UniBoost.service_time` with the step's costs ``c`` (hoisted out of the loop)."""
+    if tau is not None:
+        return s_hat * tau
+    if dec:
+        x = s_hat * (c.decode(r.prompt_len) + c.t_c)                # ŝ steps of Eq. 6 + t_c
+    else:
+        x = c.prefill(s_hat, 0) + c.t_c                             # Eq. 5 + t_c
+    return x if x > 0 else 1e-12
+

@@ -103,12 +103,12 @@ def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
         return s
     rows = []
     get = p.dispatched.get
-    a_p, b_p, c_p = m.a_p, m.b_p, m.c_p
+    prefill = m.unit.prefill
     w_p = gain.w_p
     for r in q:
         w = get(r.id)
         l_q, l_kv = w if w is not None else (r.remaining_prefill, r.kv_len)
-        x = (a_p * l_q + b_p * l_kv + c_p) * l_q if l_q > 0 else 0.0           # Eq. 5
+        x = prefill(l_q, l_kv) if l_q > 0 else 0.0                              # Eq. 5
         if r.token_times:  # re-prefill after a preemption: its next token
             rows.append((gain.next_token_deadline(r), x, gain.next_token_weight(r)))
         else:              # deadline_{r,1} = arrival + TTFT_SLO, w_r(1) = w_p·w_prio (Eq. 3)

@@ -131,7 +131,7 @@ class SLOsServeRouting(GlobalPolicy):
         unit = self.decode_cost == "unit" or k_hat <= 0
 
         def e(l_kv: float) -> float:
-            return 1.0 if unit else (m.a_d * l_kv + m.b_d) / k_hat
+            return 1.0 if unit else m.decode_time(l_kv) / k_hat
 
         mine = self._admitted.get(p.id, ())
         if colocated and not self._memory_fits(req, p, m.metadata, mine):
