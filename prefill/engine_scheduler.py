@@ -45,14 +45,16 @@ and ``plan``, what the policy decided and from which state (``null`` for
 * ``now``, ``beta`` (the β the policy planned with), ``t_budget``,
   ``n_urgent``, ``n_normal``, ``est`` and ``items`` (``[id, chunk, urgent]``
   of the batch, in plan order; decodes have chunk 1);
+* ``terms``: the policy's per-request terms of the step (``BatchPlan.terms``,
+  ``id -> [exec, remain, density, urgent]``; for SlideBatching these give the
+  full order of Alg. 1 line 13, including the requests that did not fit the
+  budget), or ``null`` for a policy that computes none;
 * ``view``: the :class:`InstanceView` the policy saw, ``mode``,
   ``free_blocks``, ``block_size``, ``reserve_blocks`` and its ``waiting`` and
   ``decoding`` requests in view order, each with the fields a policy reads
-  (see :func:`request_record`) and the scratch values the policy left on it
-  (``exec``, ``remain``, ``density``, ``urgent``: for SlideBatching these give
-  the full order of Alg. 1 line 13, including the requests that did not fit
-  the budget). Rebuilding the view with :func:`view_from_record` and giving it
-  to the same policy at the same β reproduces the plan.
+  (see :func:`request_record`). Rebuilding the view with
+  :func:`view_from_record` and giving it to the same policy at the same β
+  reproduces the plan.
 """
 
 from __future__ import annotations
@@ -201,11 +203,13 @@ class ProServeScheduler(Scheduler):
         self.last_info = plan.info
         self._plan = plan if not plan.empty else None
         if self._record is not None:
+            urgent = plan.terms.urgent_ids() if plan.terms is not None else set()
             self._plan_record = {
                 "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
                 "est": plan.info.est_time, "now": now, "beta": self.estimator.beta,
-                "items": [[r.id, n, bool(r.urgent)] for r, n in plan.prefill] + [[r.id, 1, bool(r.urgent)]
-                                                                                for r in plan.decode]}
+                "items": [[r.id, n, r.id in urgent] for r, n in plan.prefill] + [[r.id, 1, r.id in urgent]
+                                                                                 for r in plan.decode],
+                "terms": plan.terms.of() if plan.terms is not None else None}
             self._plan_view = view
         caps = {r.id: n for r, n in plan.prefill}
         for r in plan.decode:
@@ -312,7 +316,7 @@ class ProServeScheduler(Scheduler):
 
 # -- the step record's view: what the policy saw, enough to replay its decision ---------------------
 def request_record(r: PolicyRequest) -> dict:
-    """The fields of ``r`` a policy reads, and the scratch values it left on ``r``.
+    """The fields of ``r`` a policy reads.
 
     Of the emitted tokens' times only the count and the first and last ones are
     kept (what SlideBatching and the TDG deadlines read), so that a record stays
@@ -322,8 +326,7 @@ def request_record(r: PolicyRequest) -> dict:
     return {"id": r.id, "class": r.priority, "weight": r.weight, "ttft_slo": r.ttft_slo, "tpot_slo": r.tpot_slo,
             "arrival": r.arrival, "prompt_len": r.prompt_len, "prefill_len": r.prefill_len,
             "prefilled": r.prefilled, "kv_len": r.kv_len, "phase": r.phase.value, "emitted": len(times),
-            "first_token": times[0] if times else None, "last_token": times[-1] if times else None,
-            "exec": r.exec, "remain": r.remain, "density": r.density, "urgent": bool(r.urgent)}
+            "first_token": times[0] if times else None, "last_token": times[-1] if times else None}
 
 
 def view_record(view: InstanceView) -> dict:
@@ -333,7 +336,7 @@ def view_record(view: InstanceView) -> dict:
 
 
 def request_from_record(d: dict) -> PolicyRequest:
-    """A fresh policy request in the state :func:`request_record` saw (scratch values not copied)."""
+    """A fresh policy request in the state :func:`request_record` saw."""
     n = d["emitted"]
     times = [] if n == 0 else [d["first_token"]] + [d["last_token"]] * (n - 1)
     return PolicyRequest(id=d["id"], priority=d["class"], weight=d["weight"], ttft_slo=d["ttft_slo"],

@@ -64,7 +64,7 @@ class StepCosts:
 
     # -- what the policies derive from them ------------------------------------------
     def next_work(self, r) -> float:
-        """``r.exec`` of Alg. 1 line 3: T~_p of the remaining prefill, else one T~_d (no t_c)."""
+        """``exec`` of Alg. 1 line 3: T~_p of the remaining prefill, else one T~_d (no t_c)."""
         q = r.prefill_len - r.prefilled
         return self.prefill(q, r.kv_len) if q > 0 else self.decode(r.kv_len)
 

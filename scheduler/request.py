@@ -75,11 +75,6 @@ class Request:
     kv_len: int = 0          # tokens whose KV is in the cache
     instance: int | None = None
     error: str | None = None  # set when the request ends with an error instead of tokens
-    # per-policy scratch values (Alg. 1 lines 3-5 and 9-12), set by the policy
-    exec: float = 0.0
-    remain: float = 0.0
-    density: float = 0.0
-    urgent: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

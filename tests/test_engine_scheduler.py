@@ -119,12 +119,15 @@ def decide(parts, view: InstanceView, beta: float) -> dict:
     policy = parts.policy
     parts.estimator.corrector.beta = beta
     plan = policy.schedule(view)
-    Q = considered(view)
-    ordered, _, _ = policy._order(Q)          # line 13 on the scratch values schedule() just set
-    return {"items": [[r.id, n, r.urgent] for r, n in plan.prefill] + [[r.id, 1, r.urgent] for r in plan.decode],
+    t = plan.terms                            # exec, remain, density, URGENT of every request in Q
+    assert [r.id for r in t.requests] == [r.id for r in considered(view)]
+    order = policy._order(t.remain, t.density, t.urgent)   # line 13 on those terms
+    terms = {rid: list(v) for rid, v in t.of().items()}
+    return {"items": [[r.id, n, terms[r.id][3]] for r, n in plan.prefill]
+            + [[r.id, 1, terms[r.id][3]] for r in plan.decode],
             "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
-            "est": plan.info.est_time, "order": [(r.id, r.urgent) for r in ordered],
-            "scratch": {r.id: [r.exec, r.remain, r.density, r.urgent] for r in Q}}
+            "est": plan.info.est_time, "order": [(t.requests[i].id, t.urgent[i]) for i in order],
+            "scratch": terms}
 
 
 def submitted_view(parts, sc: dict, delay: float, submitted_at: float = 1000.0) -> InstanceView:
@@ -278,8 +281,7 @@ def test_engine_admits_in_slide_batching_order(tmp_path):
             assert d["items"] == plan["items"], (name, rec["step"], d["items"], plan["items"])
             assert (d["t_budget"], d["n_urgent"], d["n_normal"], d["est"]) == \
                 (plan["t_budget"], plan["n_urgent"], plan["n_normal"], plan["est"]), (name, rec["step"], plan)
-            recorded = {r["id"]: [r["exec"], r["remain"], r["density"], r["urgent"]] for r in considered(plan["view"])}
-            assert d["scratch"] == recorded, (name, rec["step"])
+            assert d["scratch"] == plan["terms"], (name, rec["step"])
             # 2. vLLM executed it
             assert execution_problems(rec, engine["max_num_batched_tokens"]) == [], name
         # every request of the scenario was admitted exactly once

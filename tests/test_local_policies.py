@@ -73,6 +73,11 @@ def decs(plan):
     return [r.id for r in plan.decode]
 
 
+def urgent(plan):
+    """request id -> URGENT, as the policy decided it this step (``BatchPlan.terms``)."""
+    return {rid: t[3] for rid, t in plan.terms.of().items()}
+
+
 def test_tbt_token_budget_of_the_test_model():
     # largest chunk q with q·1ms + 10ms <= 100 ms  ->  90
     assert policy("sarathi_fcfs").tbt_token_budget() == 90
@@ -473,7 +478,7 @@ def _urgent_at(gamma, phi, mode=COLOCATED):
     d1, w1, w2 = _alg1_queue()
     pol = policy("slide_batching", gamma=gamma, phi=phi)
     plan = pol.schedule(view([w2, w1], [d1] if mode == COLOCATED else [], mode=mode))
-    return plan, {r.id: r.urgent for r in (d1, w1, w2) if mode == COLOCATED or r is not d1}
+    return plan, urgent(plan)
 
 
 def test_slide_t_budget_is_max_of_min_remain_and_eta():
@@ -532,7 +537,7 @@ def test_slide_low_load_all_normal_earliest_deadline_first():
     d = dec("d", -0.9)
     wa, wb = wait("wa", -0.5, 40), wait("wb", -0.3, 39)
     plan = policy("slide_batching").schedule(view([wb, wa], [d]))
-    assert not any(r.urgent for r in (d, wa, wb))
+    assert urgent(plan) == {"d": False, "wa": False, "wb": False}
     assert (plan.info.n_urgent, plan.info.n_normal) == (0, 3)
     assert decs(plan) == ["d"] and chunks(plan) == [("wa", 40), ("wb", 39)]
     # the order decides who gets scarce memory: 3 free blocks (48 tokens) go to wa
@@ -540,7 +545,7 @@ def test_slide_low_load_all_normal_earliest_deadline_first():
     assert chunks(plan) == [("wa", 40)]
     # prefill-only: φ_p = 0.079 + 2·0.01 = 0.099 < 0.5: all NORMAL too
     plan = policy("slide_batching").schedule(view([wb, wa], mode=PREFILL_ONLY))
-    assert not wa.urgent and not wb.urgent and chunks(plan) == [("wa", 40), ("wb", 39)]
+    assert urgent(plan) == {"wa": False, "wb": False} and chunks(plan) == [("wa", 40), ("wb", 39)]
 
 
 def test_slide_medium_load_urgent_first_then_normal_by_remain():
@@ -550,7 +555,7 @@ def test_slide_medium_load_urgent_first_then_normal_by_remain():
     # d1 -> 0.011, w1 (100 tokens) -> 0.111, w2: (0.1505 - 0.111)/1 ms = 39.5 -> 39 tokens.
     d1, w1, w2 = dec("d1", -0.9495), wait("w1", -0.7, 100), wait("w2", -0.5, 200)
     plan = policy("slide_batching").schedule(view([w2, w1], [d1]))
-    assert (d1.urgent, w1.urgent, w2.urgent) == (True, True, False)
+    assert urgent(plan) == {"d1": True, "w1": True, "w2": False}
     assert (plan.info.n_urgent, plan.info.n_normal) == (2, 1)
     assert decs(plan) == ["d1"] and chunks(plan) == [("w1", 100), ("w2", 39)]
     assert plan.info.est_time <= plan.info.t_budget
@@ -568,7 +573,7 @@ def _high_load_queue():
 def test_slide_high_load_urgent_by_density():
     lo1, lo2, hi = _high_load_queue()
     plan = policy("slide_batching").schedule(view([lo1, lo2, hi], mode=PREFILL_ONLY))
-    assert lo1.urgent and lo2.urgent and hi.urgent
+    assert urgent(plan) == {"lo1": True, "lo2": True, "hi": True}
     # hi (density 40) first: 0.01 + 0.05 = 0.06; lo1: (0.5005 - 0.06)/1 ms = 440.5 -> 440
     assert chunks(plan) == [("hi", 50), ("lo1", 440)]
     assert plan.info.t_budget == pytest.approx(0.5005)
@@ -582,7 +587,7 @@ def test_ablations_on_the_high_load_queue():
     # only_deadline: all NORMAL, remain ascending: lo1 takes the whole budget (0.4905 s)
     lo1, lo2, hi = _high_load_queue()
     plan = policy("only_deadline").schedule(view([lo1, lo2, hi], mode=PREFILL_ONLY))
-    assert not (lo1.urgent or lo2.urgent or hi.urgent)
+    assert not any(urgent(plan).values())
     assert chunks(plan) == [("lo1", 490)] and plan.info.n_normal == 3
     # only_density: all URGENT, density descending — even at low load
     plan = policy("only_density").schedule(view([lo1, lo2, hi], mode=PREFILL_ONLY))
@@ -590,7 +595,7 @@ def test_ablations_on_the_high_load_queue():
     d = dec("d", -0.9)
     wa, wb = wait("wa", -0.5, 40), wait("wb", -0.3, 30)    # densities 25, 33: wb first
     plan = policy("only_density").schedule(view([wa, wb], [d]))
-    assert chunks(plan) == [("wb", 30), ("wa", 40)] and wa.urgent
+    assert chunks(plan) == [("wb", 30), ("wa", 40)] and urgent(plan)["wa"]
     # wo_latency_aware: SlideBatching's order, a fixed token budget (TBT-profiled: 90)
     lo1, lo2, hi = _high_load_queue()
     plan = policy("wo_latency_aware").schedule(view([lo1, lo2, hi], mode=PREFILL_ONLY))

@@ -57,6 +57,11 @@ def view(waiting=(), decoding=(), now=0.0, mode=COLOCATED, free_blocks=1 << 30):
                         block_size=16, mode=mode)
 
 
+def terms(plan):
+    """request id -> (t_gen, remain, Priority, in the group): what GMAX computed this step."""
+    return plan.terms.of()
+
+
 def run_step(pol, waiting, decoding, now):
     """One engine step: plan, then apply the plan's decodes (the bodies do this)."""
     plan = pol.schedule(view(waiting, decoding, now))
@@ -129,28 +134,28 @@ def test_priority_is_goodput_over_t_gen_by_hand():
     pol = policy(goodput="tdg")
     d = dec("d", emitted=5, weight=1.0)            # len_rem = 20 - 5 = 15
     a = wait("a", 100, weight=2.0)                 # len_rem = 20, prompt in ceil(100/90) = 2 chunks
-    pol.schedule(view([a], [d], now=0.1))
+    t = terms(pol.schedule(view([a], [d], now=0.1)))
     v = T_C + T_D                                  # one step: t_c + the one decode
-    assert d.exec == pytest.approx(15 * v)         # t_gen = len_rem · v_token
-    assert d.density == pytest.approx(15 / (15 * v))
+    assert t["d"][0] == pytest.approx(15 * v)      # t_gen = len_rem · v_token
+    assert t["d"][2] == pytest.approx(15 / (15 * v))
     t_first = 0.100 + 2 * v                        # T~_p(100) + a step per chunk
-    assert a.exec == pytest.approx(t_first + 19 * v)
-    assert a.density == pytest.approx(2 * (1 + 19) / (t_first + 19 * v))   # w_prio·(w_p + 19·w_d)
-    # the deadline of each one's next token (scratch field remain)
-    assert d.remain == pytest.approx(TTFT + 5 * TPOT - 0.1)
-    assert a.remain == pytest.approx(TTFT - 0.1)
+    assert t["a"][0] == pytest.approx(t_first + 19 * v)
+    assert t["a"][2] == pytest.approx(2 * (1 + 19) / (t_first + 19 * v))   # w_prio·(w_p + 19·w_d)
+    # the time to each one's next token's deadline
+    assert t["d"][1] == pytest.approx(TTFT + 5 * TPOT - 0.1)
+    assert t["a"][1] == pytest.approx(TTFT - 0.1)
 
 
 def test_tokens_goodput_ignores_weights_and_late_requests_lose_priority():
     pol = policy(goodput="tokens")
     hi, lo = wait("hi", 50, weight=2.0), wait("lo", 50, weight=1.0)
-    pol.schedule(view([hi, lo], now=0.0))
-    assert hi.density == pytest.approx(lo.density)
+    t = terms(pol.schedule(view([hi, lo], now=0.0)))
+    assert t["hi"][2] == pytest.approx(t["lo"][2])
     pol = policy()
     late = wait("late", 50, arrival=-5.0)          # TTFT deadline 4 s ago, and 20 tokens cannot catch up
     fresh = wait("fresh", 50, arrival=0.0)
-    pol.schedule(view([late, fresh], now=0.0))
-    assert late.density == 0.0 and fresh.density > 0
+    t = terms(pol.schedule(view([late, fresh], now=0.0)))
+    assert t["late"][2] == 0.0 and t["fresh"][2] > 0
 
 
 def test_length_bound_learns_from_finished_requests_and_changes_t_gen():
@@ -164,23 +169,21 @@ def test_length_bound_learns_from_finished_requests_and_changes_t_gen():
     pol.on_request_finished(bad, 1.0)
     assert pol.bound.seen == 3
     d = dec("d", emitted=1)                        # survivors of n=1: {4, 6, 8}, median 6 -> len_rem 5
-    pol.schedule(view([], [d], now=0.1))
-    assert d.exec == pytest.approx(5 * (T_C + T_D))
+    t = terms(pol.schedule(view([], [d], now=0.1)))
+    assert t["d"][0] == pytest.approx(5 * (T_C + T_D))
 
 
 # -- Alg. 1: top-p filtering and the input-length window -----------------------------------------
 
 def _items(prios, lens):
-    out = []
-    for i, (p, n) in enumerate(zip(prios, lens)):
-        r = wait(f"x{i}", n)
-        r.density = p
-        out.append(r)
-    return out
+    """Requests x0, x1, ... with these prompt lengths, and their priorities by id."""
+    reqs = [wait(f"x{i}", n) for i, n in enumerate(lens)]
+    return reqs, {r.id: p for r, p in zip(reqs, prios)}
 
 
 def _pick(items, B, cutoff):
-    return sorted(r.prompt_len for r in gmax_select(items, B, cutoff))
+    reqs, prio = items
+    return sorted(r.prompt_len for r in gmax_select(reqs, B, cutoff, prio))
 
 
 def test_window_pick_trades_priority_for_length_homogeneity():
@@ -238,7 +241,8 @@ def test_frame_boundary_preemption_only_when_gain_exceeds_stall_cost():
     gain20 = (P_A - P_D) * min(20 * v, t_gen_A)
     assert gain20 < loss
     pol, D, A, plans = _preemption_case(20, 300)
-    assert A.density > D.density                     # GMAX alone would take A
+    t = terms(plans[0])
+    assert t["A"][2] > t["D"][2]                     # GMAX alone would take A
     assert all([r.id for r in p.decode] == ["D"] and not p.prefill for p in plans)
     assert (pol.preemptions, pol.kept) == (0, 1)
     # Δ = 50 steps: gain = (P_A − P_D)·0.55 s = 14.7 > loss -> A displaces D at the boundary
@@ -269,13 +273,13 @@ def test_waiting_outside_the_group_adds_delta_per_frame():
     H = wait("H", 50, arrival=-10.0)                 # hopeless: no achievable goodput left
     now = 0.1
     for k in range(4):
-        run_step(pol, [H], [D], now)
-        assert H.density == pytest.approx(2.0 * k / H.exec)   # δ·(frames waited) / t_gen
+        t = terms(run_step(pol, [H], [D], now))
+        assert t["H"][2] == pytest.approx(2.0 * k / t["H"][0])   # δ·(frames waited) / t_gen
         now += T_C + T_D
     pol = policy(batch_size=1, frame_steps=1, delta=0.0)
     for k in range(3):
-        run_step(pol, [H], [D], 0.1 + k * 0.011)
-    assert H.density == 0.0
+        t = terms(run_step(pol, [H], [D], 0.1 + k * 0.011))
+    assert t["H"][2] == 0.0
 
 
 # -- the policy must not read output_len (engines do not know it) -------------------------------------

@@ -7,8 +7,9 @@ blocks — and gets back a :class:`BatchPlan`: per-request prefill chunk sizes,
 the decode requests to run, and :class:`ScheduleInfo` saying why (latency
 budget, urgent/normal counts) for logs and plots.
 
-Policies never mutate request state other than their scratch fields
-(``exec``, ``remain``, ``density``, ``urgent``); the body applies the plan.
+Policies never mutate request state; what they compute about each request in a
+step stays with the policy (``BatchPlan.terms`` shows it); the body applies
+the plan through the ``Request`` methods.
 """
 
 from __future__ import annotations
@@ -52,10 +53,33 @@ class ScheduleInfo:
 
 
 @dataclass
+class StepTerms:
+    """What a policy computed about each queued request for one step (Alg. 1 lines 3-12):
+    ``exec``, ``remain``, ``density`` and URGENT, as parallel lists over ``requests``.
+    It belongs to the policy's decision, not to the requests: bodies read it only to
+    record or show why a plan came out as it did."""
+
+    requests: list[Request]
+    exec: list[float]
+    remain: list[float]
+    density: list[float]
+    urgent: list[bool]
+
+    def of(self) -> dict[str, tuple[float, float, float, bool]]:
+        """request id -> (exec, remain, density, urgent)."""
+        return {r.id: t for r, t in zip(self.requests, zip(self.exec, self.remain, self.density, self.urgent))}
+
+    def urgent_ids(self) -> set[str]:
+        return {r.id for r, u in zip(self.requests, self.urgent) if u}
+
+
+@dataclass
 class BatchPlan:
     prefill: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     info: ScheduleInfo = field(default_factory=ScheduleInfo)
+    #: the per-request terms behind the decision, for policies that compute them (else None)
+    terms: StepTerms | None = None
 
     @property
     def empty(self) -> bool:
@@ -193,7 +217,7 @@ class LocalPolicy(ABC):
         return max(b, 16)
 
     def exec_time(self, r: Request) -> float:
-        """r.exec (Alg. 1 line 3): T~_pd of the request's next work, without t_c."""
+        """exec (Alg. 1 line 3): T~_pd of the request's next work, without t_c."""
         return self.est.costs().next_work(r)
 
 

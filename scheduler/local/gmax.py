@@ -136,12 +136,13 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Mapping
 
 from ..length_bound import LengthBound
 from ..config import check_in_range
 from ..registry import register_local
 from ..request import ConfigError, Request
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms, check_count
 
 GOODPUTS = ("tdg", "tokens")
 
@@ -182,8 +183,8 @@ def achievable_goodput(L: int, lam: float, s: float, w_first: float, w_rest: flo
     return w_first + (count - 1) * w_rest
 
 
-def gmax_select(reqs: list[Request], B: int, cutoff: float) -> list[Request]:
-    """Alg. 1 lines 16-25 over requests whose ``density`` holds Priority(r).
+def gmax_select(reqs: list[Request], B: int, cutoff: float, prio: Mapping[str, float]) -> list[Request]:
+    """Alg. 1 lines 16-25 over requests whose Priority(r) is ``prio[r.id]``.
 
     Top-p filtering against the B-th highest priority, then the size-B window
     of the candidates sorted by input length with the largest summed priority.
@@ -192,11 +193,11 @@ def gmax_select(reqs: list[Request], B: int, cutoff: float) -> list[Request]:
         return []
     if len(reqs) <= B:
         return list(reqs)
-    bp = heapq.nlargest(B, (r.density for r in reqs))[-1]          # line 16: BATCHPRIORITY
+    bp = heapq.nlargest(B, (prio[r.id] for r in reqs))[-1]         # line 16: BATCHPRIORITY
     thr = bp * cutoff
-    cand = [r for r in reqs if r.density >= thr]                   # line 18
+    cand = [r for r in reqs if prio[r.id] >= thr]                  # line 18
     cand.sort(key=_by_input_len)                                   # line 20 (stable)
-    p = [r.density for r in cand]
+    p = [prio[r.id] for r in cand]
     score = math.fsum(p[:B])
     best, best_i = score, 0
     for i in range(B, len(cand)):                                  # lines 22-25
@@ -210,8 +211,9 @@ def _by_input_len(r: Request) -> int:
     return r.prompt_len
 
 
-def _by_priority_desc(r: Request) -> float:
-    return -r.density
+def _by_priority_desc(reqs, prio: Mapping[str, float]) -> list[Request]:
+    """``reqs`` by Priority descending (stable: equal priorities keep their order)."""
+    return sorted(reqs, key=lambda r: prio[r.id], reverse=True)
 
 
 @register_local
@@ -281,9 +283,10 @@ class GMAX(LocalPolicy):
         mean_q = sum(r.remaining_prefill for r in Q) / len(Q)
         return max(1, math.ceil(tb / max(mean_q, 1.0)))
 
-    def _analyze(self, Q: list[Request], now: float, colocated: bool, v_step: float, tb: int) -> None:
-        """Alg. 1 lines 2-6 for every request: r.exec ← t_gen(r), r.remain ← time to its
-        next token's deadline, r.density ← Priority(r)."""
+    def _analyze(self, Q: list[Request], now: float, colocated: bool, v_step: float,
+                 tb: int) -> tuple[list[float], list[float], list[float]]:
+        """Alg. 1 lines 2-6 for every request: t_gen(r), the time to its next token's
+        deadline, and Priority(r) (three lists over ``Q``)."""
         gain, bound = self.gain, self.bound
         cost = self.est.costs()
         t_c = cost.t_c
@@ -291,6 +294,7 @@ class GMAX(LocalPolicy):
         w_p, w_d = (gain.w_p, gain.w_d) if tdg else (1.0, 1.0)
         delta, waited = self.delta, self._waited
         step_base = v_step if colocated else t_c
+        execs, remains, prios = [], [], []
         for r in Q:
             n = len(r.token_times)
             L = bound.remaining(n)                                    # len_rem(r), §4.1
@@ -315,19 +319,20 @@ class GMAX(LocalPolicy):
                 g += delta * c                                        # anti-starvation, §4.2
             if t_gen <= 0:
                 t_gen = 1e-9
-            r.exec = t_gen
-            r.remain = d_next - now
-            r.density = g / t_gen                                     # Priority(r) = goodput/t_gen
-            r.urgent = False
+            execs.append(t_gen)
+            remains.append(d_next - now)
+            prios.append(g / t_gen)                                   # Priority(r) = goodput/t_gen
+        return execs, remains, prios
 
     # -- frame boundary: re-decide the group, guarded preemption ------------------------------
-    def _regroup(self, Q: list[Request], members: list[Request], B: int, v_step: float) -> list[Request]:
-        chosen = gmax_select(Q, B, self.cutoff)
+    def _regroup(self, Q: list[Request], members: list[Request], B: int, v_step: float,
+                 prio: dict[str, float], t_gen: dict[str, float]) -> list[Request]:
+        chosen = gmax_select(Q, B, self.cutoff, prio)
         chosen_ids = {r.id for r in chosen}
         member_ids = {r.id for r in members}
         group = [r for r in members if r.id in chosen_ids]
-        adds = sorted((r for r in chosen if r.id not in member_ids), key=_by_priority_desc)
-        victims = sorted((r for r in members if r.id not in chosen_ids), key=lambda r: r.density)
+        adds = _by_priority_desc((r for r in chosen if r.id not in member_ids), prio)
+        victims = sorted((r for r in members if r.id not in chosen_ids), key=lambda r: prio[r.id])
         free = B - len(members)
         if free > 0:
             group += adds[:free]
@@ -335,12 +340,12 @@ class GMAX(LocalPolicy):
         if adds:
             est = self.est
             t_frame = self.frame_steps * v_step
-            speed = sum(r.density for r in members if _started(r))    # goodput rate of the running group
+            speed = sum(prio[r.id] for r in members if _started(r))   # goodput rate of the running group
             for a, v in zip(adds, victims):
                 if not _started(v):
                     group.append(a)       # not running yet: nothing to preempt
                     continue
-                gain = a.density * min(a.exec, t_frame) - v.density * min(v.exec, t_frame)
+                gain = prio[a.id] * min(t_gen[a.id], t_frame) - prio[v.id] * min(t_gen[v.id], t_frame)
                 stall = est.prefill(a.prefill_len - a.prefilled, a.kv_len) if a.needs_prefill else 0.0
                 if gain > stall * speed:   # goodput_loss = stall_duration × token_generation_speed
                     group.append(a)
@@ -372,12 +377,14 @@ class GMAX(LocalPolicy):
             v_step = est.t_c + min(B, len(dec)) * est.decode(mean_kv)
         else:
             v_step = est.t_c + t_d
-        self._analyze(Q, view.now, colocated, v_step, tb)
+        execs, remains, prios = self._analyze(Q, view.now, colocated, v_step, tb)
+        ids_q = [r.id for r in Q]
+        prio = dict(zip(ids_q, prios))
         group_ids = self._group
         members = [r for r in Q if r.id in group_ids]
         if self._frame_pos >= self.frame_steps:
             self._frame_pos = 0
-            group = self._regroup(Q, members, B, v_step)
+            group = self._regroup(Q, members, B, v_step, prio, dict(zip(ids_q, execs)))
             ids = {r.id for r in group}
             old = self._waited                # δ per frame spent outside the group; drop gone ids
             self._waited = {r.id: c for r in Q if (c := old.get(r.id, 0) + (r.id not in ids))}
@@ -386,13 +393,14 @@ class GMAX(LocalPolicy):
             free = B - len(members)
             if free > 0:
                 others = [r for r in Q if r.id not in group_ids]
-                group = members + gmax_select(others, free, self.cutoff)
+                group = members + gmax_select(others, free, self.cutoff, prio)
             ids = {r.id for r in group}
         self._group = ids
-        self._fill(b, sorted(group, key=_by_priority_desc), colocated, tb)
+        b.plan.terms = StepTerms(Q, execs, remains, prios, [i in ids for i in ids_q])
+        self._fill(b, _by_priority_desc(group, prio), colocated, tb)
         if b.plan.empty:
             # the group cannot progress (memory): stay work-conserving with the rest
-            self._fill(b, sorted((r for r in Q if r.id not in ids), key=_by_priority_desc), colocated, tb)
+            self._fill(b, _by_priority_desc((r for r in Q if r.id not in ids), prio), colocated, tb)
         self._last_decodes = [(r, len(r.token_times)) for r in b.plan.decode]
         return b.finish(token_budget=tb, n_urgent=len(group), n_normal=len(Q) - len(group))
 

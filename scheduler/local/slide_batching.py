@@ -29,12 +29,11 @@ Defaults, which the paper leaves open:
 from __future__ import annotations
 
 import math
-import operator
 
 from ..cost import queue_terms
 from ..registry import register_local
 from ..request import ConfigError
-from .base import COLOCATED, PREFILL_ONLY, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from .base import COLOCATED, PREFILL_ONLY, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms
 
 PHIS = ("auto", "a", "c", "p")
 
@@ -68,20 +67,14 @@ class SlideBatching(LocalPolicy):
         self.token_budget = token_budget
 
     # -- Alg. 1 lines 1-7 --------------------------------------------------------
-    def _annotate(self, Q, now: float) -> float:
-        """Set r.exec, r.remain, r.density; return min remain (t_min)."""
+    def _annotate(self, Q, now: float) -> tuple[list[float], list[float], list[float]]:
+        """exec, remain and density of every request of ``Q`` (lines 3-5)."""
         execs, remains = queue_terms(self.est.costs(), self.gain, Q, now)   # lines 3-4
+        execs = [ex if ex > 0 else 1e-9 for ex in execs]
         w_p, w_d = self.gain.w_p, self.gain.w_d
-        t_min = math.inf
-        for r, ex, rem in zip(Q, execs, remains):
-            if ex <= 0:
-                ex = 1e-9
-            r.exec = ex
-            r.remain = rem
-            r.density = (w_d if r.token_times else w_p) * r.weight / ex  # line 5
-            if rem < t_min:
-                t_min = rem
-        return t_min
+        dens = [(w_d if r.token_times else w_p) * r.weight / ex             # line 5
+                for r, ex in zip(Q, execs)]
+        return execs, remains, dens
 
     # -- Alg. 1 lines 8-12 ---------------------------------------------------------
     def _phi_kind(self, mode: str) -> str:
@@ -89,44 +82,33 @@ class SlideBatching(LocalPolicy):
             return self.phi
         return "p" if mode == PREFILL_ONLY else "a"
 
-    def _mark_urgent(self, Q, t_budget: float, mode: str) -> None:
+    def _mark_urgent(self, execs: list[float], remains: list[float], t_budget: float, mode: str) -> list[bool]:
         g = self.gamma
         t_c = self.est.t_c
         kind = self._phi_kind(mode)
         if kind == "p":
             # φ_p(r, Q) = Σ exec + |Q|·t_c  (one request per batch, worst case)
-            limit = g * (sum(r.exec for r in Q) + len(Q) * t_c)
-            for r in Q:
-                r.urgent = r.remain < limit
-            return
+            limit = g * (sum(execs) + len(execs) * t_c)
+            return [rem < limit for rem in remains]
         scale = t_budget / (t_budget - t_c) if t_budget > t_c else math.inf
         if kind == "a":
             # Eq. 8: φ_a(Q) = t_budget/(t_budget - t_c) · Σ_{r∈Q} r.exec
-            limit = g * scale * sum(r.exec for r in Q)
-            for r in Q:
-                r.urgent = r.remain < limit
-        else:
-            # Eq. 9: φ_c(req, Q) = t_budget/(t_budget - t_c) · Σ_{i≤req.index} Q[i].exec, Q by remain asc
-            acc = 0.0
-            for r in sorted(Q, key=_by_remain):
-                acc += r.exec
-                r.urgent = r.remain < g * scale * acc
+            limit = g * scale * sum(execs)
+            return [rem < limit for rem in remains]
+        # Eq. 9: φ_c(req, Q) = t_budget/(t_budget - t_c) · Σ_{i≤req.index} Q[i].exec, Q by remain asc
+        urgent = [False] * len(execs)
+        acc = 0.0
+        for i in sorted(range(len(execs)), key=remains.__getitem__):
+            acc += execs[i]
+            urgent[i] = remains[i] < g * scale * acc
+        return urgent
 
-    def _order(self, Q):
-        """Line 13: URGENT by density desc, then NORMAL by remain asc."""
-        if self.ordering == "deadline":
-            for r in Q:
-                r.urgent = False
-            return sorted(Q, key=_by_remain), 0, len(Q)
-        if self.ordering == "density":
-            for r in Q:
-                r.urgent = True
-            return sorted(Q, key=_by_density, reverse=True), len(Q), 0
-        urgent = [r for r in Q if r.urgent]
-        normal = [r for r in Q if not r.urgent]
-        urgent.sort(key=_by_density, reverse=True)   # stable, as a key of -density
-        normal.sort(key=_by_remain)
-        return urgent + normal, len(urgent), len(normal)
+    def _order(self, remains: list[float], dens: list[float], urgent: list[bool]) -> list[int]:
+        """Line 13: URGENT by density desc, then NORMAL by remain asc (indices into Q)."""
+        idx = range(len(remains))
+        up = sorted((i for i in idx if urgent[i]), key=dens.__getitem__, reverse=True)  # stable, as -density
+        normal = sorted((i for i in idx if not urgent[i]), key=remains.__getitem__)
+        return up + normal
 
     def schedule(self, view: InstanceView) -> BatchPlan:
         Q = list(view.waiting)
@@ -135,25 +117,31 @@ class SlideBatching(LocalPolicy):
         b = BatchBuilder(view, self.est)
         if not Q:
             return b.finish(t_budget=0.0)
-        t_min = self._annotate(Q, view.now)
-        t_budget = max(t_min, self.eta)                        # lines 6-7
+        execs, remains, dens = self._annotate(Q, view.now)
+        t_budget = max(min(remains), self.eta)                 # lines 6-7
         if self.ordering == "slide":
-            self._mark_urgent(Q, t_budget, view.mode)
-        ordered, n_urgent, n_normal = self._order(Q)
+            urgent = self._mark_urgent(execs, remains, t_budget, view.mode)
+        else:                                                  # the ablations of §5.4
+            urgent = [self.ordering == "density"] * len(Q)
+        order = self._order(remains, dens, urgent)
+        n_urgent = sum(urgent)
+        n_normal = len(Q) - n_urgent
+        b.plan.terms = StepTerms(Q, execs, remains, dens, urgent)
         if self.latency_aware:
-            self._fill_time(b, ordered, t_budget)
+            self._fill_time(b, Q, execs, order, t_budget)
             return b.finish(t_budget=t_budget, n_urgent=n_urgent, n_normal=n_normal)
         tokens = self.token_budget or self.tbt_token_budget()
-        b.fill_tokens(ordered, tokens)
+        b.fill_tokens([Q[i] for i in order], tokens)
         return b.finish(t_budget=float("nan"), token_budget=tokens, n_urgent=n_urgent, n_normal=n_normal)
 
     # -- Alg. 1 lines 14-18 ----------------------------------------------------------
-    def _fill_time(self, b: BatchBuilder, ordered, t_budget: float) -> None:
+    def _fill_time(self, b: BatchBuilder, Q, execs: list[float], order: list[int], t_budget: float) -> None:
         est = self.est
         c = est.costs()
         # nothing costs less than one prefill token or one decode step: stop when even that won't fit
         cheapest = min(c.prefill(1, 0), c.decode(0))
-        for r in ordered:
+        for i in order:
+            r = Q[i]
             left = t_budget - b.time
             if left <= cheapest:
                 break
@@ -164,17 +152,13 @@ class SlideBatching(LocalPolicy):
                 # memory is not enough for this request (line 15): it waits; requests
                 # already holding KV (decodes, partial prefills) may still fit
                 b.add_prefill(r, n)
-            elif r.exec <= left:
+            elif execs[i] <= left:
                 b.add_decode(r)
         if b.plan.empty:
             # Budget smaller than any single item (η < t_c + one token): still make
             # progress with the first request in order, one block's worth of prompt.
-            r = ordered[0]
+            r = Q[order[0]]
             if r.prefilled < r.prefill_len:
                 b.add_prefill(r, max(1, min(b.view.block_size, r.prefill_len - r.prefilled)))
             else:
                 b.add_decode(r)
-
-
-_by_remain = operator.attrgetter("remain")
-_by_density = operator.attrgetter("density")

@@ -114,8 +114,8 @@ Parameters and defaults (``--local-param KEY=VALUE``):
 * ``a_ref = "arrival"`` or ``"phase_entry"`` (first-token time for decodes).
 
 The plan's ``ScheduleInfo`` carries ``token_budget`` (c), ``n_urgent`` = queued
-requests pinned by MemGuard and ``n_normal`` = the others; a request's
-``urgent`` scratch flag says whether it is pinned.
+requests pinned by MemGuard and ``n_normal`` = the others; :meth:`UniBoost.pinned`
+says whether a request is.
 
 UniBoost has no routing component: the paper schedules within an instance and
 composes with an exogenous dispatcher (random, round-robin, JSQ; §A.5,
@@ -258,10 +258,8 @@ class UniBoost(LocalPolicy):
             pin = old_pins.get(r.id)
             if pin is not None and pin[0] == dec and s < pin[1]:
                 pins[r.id] = pin                     # MemGuard: non-evictable until the next threshold
-                r.urgent = True
                 pinned.append((phi, r, dec, s))
             else:
-                r.urgent = False
                 # Eq. 7: the running request yields only to π(j) < π(curr) - δ
                 free.append((phi - delta if r.id in running else phi, r, dec, s))
         pinned.sort(key=_first)
