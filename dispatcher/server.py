@@ -553,7 +553,7 @@ class Dispatcher:
             rec["error"] = error
         if r is not None and r.token_times:
             n = len(r.token_times)
-            r.output_len = n
+            r.end(error)          # its output length is what it emitted
             gain = self.cfg.gain
             got, ideal = gain.tdg(r), gain.ideal_gain(r)
             self.metrics.tdg_gained.labels(name).inc(got)
@@ -579,10 +579,8 @@ class Dispatcher:
             n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices") or ())
         else:
             n = int((chunk.get("usage") or {}).get("completion_tokens") or 0)
-        times = job.sreq.token_times
-        n = min(n, (job.max_tokens or MAX_COUNTED_TOKENS) - len(times))
-        if n > 0:
-            times.extend([t] * n)
+        n = min(n, (job.max_tokens or MAX_COUNTED_TOKENS) - len(job.sreq.token_times))
+        job.sreq.record_tokens(n, t)
 
 
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30)

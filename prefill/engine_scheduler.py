@@ -139,13 +139,14 @@ class ProServeScheduler(Scheduler):
         """Tell the policy a request ended (policies that learn output lengths need it)."""
         if v is None or self.policy is None:
             return
-        v.phase = Phase.DONE
         if aborted:
-            v.error = "aborted"
+            v.end("aborted")
         elif self.mode == PREFILL_ONLY:
             # a prefill-only engine hands the request off after its first token: its true
             # output length is the decode side's, so policies that learn lengths must skip it
-            v.error = "handed off to decode"
+            v.end("handed off to decode")
+        else:
+            v.end()
         self.policy.on_request_finished(v, now)
 
     # -- the view the policy sees ------------------------------------------------------
@@ -158,13 +159,9 @@ class ProServeScheduler(Scheduler):
         n_out = req.num_output_tokens
         if n_out == 0 or req.num_tokens - done > 1:
             # prompt (or, after a recompute preemption, prompt + outputs) still to prefill
-            v.prefill_len = req.num_tokens if n_out else req.num_prompt_tokens
-            v.phase = Phase.PREFILLING if done else Phase.WAITING
+            v.sync(req.num_tokens if n_out else req.num_prompt_tokens, done, decoding=False)
         else:
-            v.prefill_len = done
-            v.phase = Phase.DECODING
-        v.prefilled = done
-        v.kv_len = done
+            v.sync(done, done, decoding=True)
         return v
 
     def _view(self, now: float) -> InstanceView:
@@ -287,8 +284,7 @@ class ProServeScheduler(Scheduler):
             if v is None:
                 continue
             if req is not None:
-                while len(v.token_times) < req.num_output_tokens:
-                    v.token_times.append(now)
+                v.record_tokens(req.num_output_tokens - len(v.token_times), now)
             if req is None or req.is_finished():
                 finished.append([rid, len(v.token_times)])
                 self._finished(self._views.pop(rid, None), now)

@@ -142,8 +142,49 @@ class Request:
         return True
 
     def emit(self, now: float) -> None:
+        """One token emitted at ``now`` (the end of a prefill, or :meth:`decode_step`)."""
         self.token_times.append(now)
         self.phase = Phase.DONE if len(self.token_times) >= self.output_len else Phase.DECODING
+
+    def decode_step(self, now: float) -> None:
+        """A decode step ending at ``now``: the previous token's KV is written, a token emitted."""
+        self.kv_len += 1
+        self.emit(now)
+
+    def decode_steps(self, times) -> None:
+        """``len(times)`` consecutive decode steps ending at ``times`` (a simulator macro-step)."""
+        self.kv_len += len(times)
+        self.token_times.extend(times)
+        self.phase = Phase.DONE if len(self.token_times) >= self.output_len else Phase.DECODING
+
+    def record_tokens(self, n: int, now: float) -> None:
+        """``n`` tokens reported at ``now`` by an engine or a client that tracks the request's
+        progress itself (the plugin, the dispatcher): timestamps only, its phase is theirs."""
+        if n > 0:
+            self.token_times.extend([now] * n)
+
+    def sync(self, prefill_len: int, computed: int, decoding: bool) -> None:
+        """Mirror an engine's bookkeeping: ``computed`` tokens of KV, of which ``prefill_len``
+        are prefill (prompt, or prompt + outputs after a recompute preemption)."""
+        self.prefill_len = prefill_len
+        self.prefilled = computed
+        self.kv_len = computed
+        if decoding:
+            self.phase = Phase.DECODING
+        else:
+            self.phase = Phase.PREFILLING if computed else Phase.WAITING
+
+    def fail(self, why: str) -> None:
+        """The request ends with an error (``output_len`` keeps what it should have produced)."""
+        self.error = why
+        self.phase = Phase.DONE
+
+    def end(self, error: str | None = None) -> None:
+        """The request ended as an engine or the dispatcher saw it: its output length is
+        the tokens it emitted (known only now), ``error`` if it did not end normally."""
+        self.error = error
+        self.phase = Phase.DONE
+        self.output_len = max(1, len(self.token_times))
 
     def preempt(self) -> None:
         """Recompute-style preemption (vLLM's default): drop the KV, re-prefill

@@ -232,8 +232,7 @@ class Simulator:
         self._wake(inst, now)
 
     def _fail(self, r: Request, why: str, now: float) -> None:
-        r.error = why
-        r.phase = Phase.DONE
+        r.fail(why)
         self._finished(r, now)
 
     def _finished(self, r: Request, now: float) -> None:
@@ -410,14 +409,12 @@ class Simulator:
             if r.advance_prefill(n, now):
                 self._prefill_done(inst, r, now)
         finished = []
+        steps = times.tolist()
         for r in plan.decode:
-            r.kv_len += k
             if k == 1:
-                r.emit(now)
+                r.decode_step(now)
             else:
-                r.token_times.extend(times.tolist())
-                if r.num_emitted >= r.output_len:
-                    r.phase = Phase.DONE
+                r.decode_steps(steps)
             if r.phase is Phase.DONE:
                 finished.append(r)
         for r in finished:

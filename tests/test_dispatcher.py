@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dispatcher.config import ConfigError, config_from_dict, keys_from_dict, load_config
-from dispatcher_helpers import KEYS, harness, run
+from dispatcher_helpers import KEYS, harness, metric, run
 from scheduler.config import default_classes
 
 PROMPT = list(range(1, 41))
@@ -46,6 +46,26 @@ def test_disaggregated_legs_carry_kv_transfer_and_scheduling_params():
             # the queue map saw the request and let it go
             assert h.d.registry.prefill[0].state.queue == []
     run(go())
+
+
+def test_slo_attained_counts_the_requests_whose_records_met_their_slos(tmp_path):
+    """Problem: the dispatcher scored a finished request without marking it finished,
+    so proserve:dispatcher_slo_attained stayed 0 however fast the cluster was. The
+    counter must agree with the per-request records (whatever this host's speed);
+    the SLOs are the key's loosest, so requests here meet them."""
+    rec = tmp_path / "requests.jsonl"
+
+    async def go():
+        async with harness(record_requests=str(rec)) as h:
+            for _ in range(3):
+                r = await h.post("/v1/completions", body(slo={"ttft_ms": 10000, "tpot_ms": 1000}))
+                assert r.status_code == 200, r.text
+            return metric(await h.metrics(), "proserve:dispatcher_slo_attained_total")
+    counted = run(go())
+    recs = [json.loads(line) for line in rec.read_text().splitlines()]
+    met = sum(1 for x in recs if x["outcome"] == "ok" and x["ttft"] < 10.0 and x["tpot"] < 1.0)
+    assert len(recs) == 3 and met >= 1
+    assert counted == met
 
 
 def test_client_cannot_raise_its_class_through_vllm_xargs():

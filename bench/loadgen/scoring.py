@@ -67,16 +67,14 @@ def to_request(req: Request, res: Result) -> Request:
     """
     if res.id != req.id:
         raise ValueError(f"result {res.id} does not belong to request {req.id}")
-    out = Request(id=req.id, priority=req.priority, weight=req.weight, ttft_slo=req.ttft_slo,
-                  tpot_slo=req.tpot_slo, arrival=res.arrival, prompt_len=req.prompt_len,
-                  output_len=req.output_len)
-    out.token_times = list(res.token_times)
-    out.error = res.error
     if res.error is None:
-        out.phase = Phase.DONE
-    elif out.token_times:
-        out.phase = Phase.DECODING
-    return out
+        phase = Phase.DONE
+    else:
+        phase = Phase.DECODING if res.token_times else Phase.WAITING
+    return Request(id=req.id, priority=req.priority, weight=req.weight, ttft_slo=req.ttft_slo,
+                   tpot_slo=req.tpot_slo, arrival=res.arrival, prompt_len=req.prompt_len,
+                   output_len=req.output_len, phase=phase, token_times=list(res.token_times),
+                   error=res.error)
 
 
 def error_counts(results: Iterable[Result]) -> dict[str, dict]:
