@@ -233,7 +233,7 @@ class Registry:
                 m = _BETA.search(text)
                 beta = float(m.group(1)) if m else None
                 if beta is not None and math.isfinite(beta) and beta > 0:
-                    w.state.estimator.corrector.beta = beta
+                    w.state.estimator.adopt(beta)
             elif isinstance(w, DecodeWorker):
                 free = free_kv_blocks(text)
                 m = _BLOCK_SIZE.search(text)

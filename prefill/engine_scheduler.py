@@ -293,7 +293,7 @@ class ProServeScheduler(Scheduler):
             t_real = t_real_end - t_end
             est_raw = self.estimator.model.batch_time(prefills, decodes)
             beta_before = self.estimator.beta
-            beta = self.estimator.corrector.observe(t_real, est_raw, now)
+            beta = self.estimator.observe_time(t_real, est_raw, now)
             self.metrics.step(t_real, est_raw * beta_before, beta, sched_s)
             if self._record is not None:
                 self._record.write(json.dumps({

@@ -251,8 +251,20 @@ class Estimator:
     def batch(self, prefills: Iterable[tuple[int, int]] = (), decodes: Iterable[int] = ()) -> float:
         return self.costs().batch(prefills, decodes)
 
+    # -- the online correction: every body feeds β through these -----------------------
     def observe(self, t_real: float, prefills: Iterable[tuple[int, int]], decodes: Iterable[int], now: float) -> float:
-        return self.corrector.observe(t_real, self.model.batch_time(prefills, decodes), now)
+        """A step of this batch took ``t_real`` seconds, ending at ``now``; returns β."""
+        return self.observe_time(t_real, self.model.batch_time(prefills, decodes), now)
+
+    def observe_time(self, t_real: float, t_model: float, now: float) -> float:
+        """``t_real`` measured where the uncorrected model predicted ``t_model`` (one step,
+        or a run of steps whose model times were summed, as the simulator's macro-steps)."""
+        return self.corrector.observe(t_real, t_model, now)
+
+    def adopt(self, beta: float) -> None:
+        """Take a β measured elsewhere (the dispatcher mirrors each prefill worker's)."""
+        c = self.corrector
+        c.beta = min(c.hi, max(c.lo, float(beta)))
 
     def get_max_chunk(self, l_kv: int, remaining: int, budget: float) -> int:
         """GETMAXCHUNK: largest l_q ≤ ``remaining`` with β·T~_p(l_q, l_kv) ≤ ``budget``."""

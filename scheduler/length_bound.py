@@ -1,14 +1,14 @@
 """Output-length upper bound of JITServe's Request Analyzer, learned online.
 
-JITServe (papers/000 §4.1 as summarised in §3-§4.2; papers/003 §4.1, "Estimating
-Response Length Upper-bound") predicts a *high-quantile upper bound* of each
+JITServe (Zhang, Wu et al., NSDI 2026, §4.1 as summarised in §3-§4.2; Wu's 2025
+MS thesis §4.1, "Estimating Response Length Upper-bound") predicts a *high-quantile upper bound* of each
 request's response length with a quantile regression forest (QRF) over the
 prompt, and re-invokes it on prompt + generated tokens (e.g. every 50 tokens)
 so that the bound is refined as generation progresses. GMAX then uses the
 remaining-length bound ``len_rem(r)`` in ``t_gen(r) = len_rem(r)·v_token(r)``.
 
-What is implemented here instead (the issue allows it) is the empirical
-quantile of the output length *conditioned on the tokens generated so far*::
+What is implemented here instead is the empirical quantile of the output
+length *conditioned on the tokens generated so far*::
 
     U_q(n)      = Q_q( L | L > n )      over the last ``history`` completed requests
     len_rem(r)  = U_q(n_r) − n_r        n_r = tokens r has emitted so far (≥ 1)

@@ -1,5 +1,5 @@
 """UniBoost's building blocks as small pure functions (Li et al., "Beyond
-Prediction: Tail-Aware Scheduling for LLM Inference", papers/004, Algorithm 1
+Prediction: Tail-Aware Scheduling for LLM Inference", Algorithm 1
 and §3.2-3.4): the γ-boost curve, MemGuard's geometric bins and the bound on
 priority revisions they give, the paper's empirical percentile, and the
 adaptive-γ tail estimator (γ-Ada). The policy that uses them is

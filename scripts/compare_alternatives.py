@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Simulator comparison of the alternative schedulers against SlideBatching and
-the baselines, on TDG and on each alternative paper's own metric (issue 6).
+the baselines, on TDG and on each alternative paper's own metric.
 
 Runs the simulator on the bundled Azure 2023 conversation trace, in two
 deployments, for every seed:

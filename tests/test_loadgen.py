@@ -434,7 +434,7 @@ def test_replay_records_client_event_loop_stalls():
     assert lg.summarize_run(reqs, run.results, GainConfig())["client_stalls"]["count"] == 0
 
 
-# --- issue 5: proserve API, arrivals, unstreamed requests, reports ---------------------------
+# --- the proserve API, arrivals, unstreamed requests, reports ---------------------------
 
 def test_request_body_proserve_fields_and_unstreamed():
     cfg = lg.ClientConfig("http://x", api="proserve", class_keys={"high": "sk-high-000001"},

@@ -1,4 +1,4 @@
-"""UniBoost (papers/004, Algorithm 1): MemGuard's geometric bins and the
+"""UniBoost (Li et al., "Beyond Prediction", Algorithm 1): MemGuard's geometric bins and the
 priority-revision bound, the γ-boost curve, the γ-Ada tail estimator, the
 policy's unified boosted-arrival order with pins and hysteresis, its
 completion hook, and the P99 TTLT metric — on hand-computed cases.

@@ -1,14 +1,15 @@
 """JITServe's GMAX (Grouped Margin Goodput Maximization) as a local policy.
 
-Source: papers/000 (JITServe, NSDI'26) §4.2 and Algorithm 1; papers/003
+Source: JITServe (Zhang, Wu et al., NSDI 2026) §4.2 and Algorithm 1; Wu's 2025 MS
+thesis "SLO-aware Optimization and Stateful Orchestration for LLM Systems"
 (Concord, the same algorithm under the name CALM) §4.2 and Algorithm 4.1.
 
 Request Analyzer (Alg. 1 lines 2-6), for every queued request ``r``:
 
 * ``len_rem(r)``: upper bound of the tokens still to come, refined as ``r``
   generates: the conditional quantile ``Q_q(L | L > n_r) − n_r`` of
-  :class:`scheduler.length_bound.LengthBound` (the issue allows it in place of
-  the paper's QRF; why, and its prior, are in that module). It learns from
+  :class:`scheduler.length_bound.LengthBound` (in place of the paper's QRF;
+  why, and its prior, are in that module). It learns from
   completed requests through :meth:`on_request_finished`.
 * ``t_gen(r) = len_rem(r)·v_token(r)`` (§4.2): the slot time ``r`` still needs
   on this instance. ``v_token`` is the time of one step of this instance's

@@ -1,5 +1,5 @@
 """UniBoost (Li et al., "Beyond Prediction: Tail-Aware Scheduling for LLM
-Inference", papers/004; Algorithm 1 with §3.2-3.4 and Appendix A).
+Inference"; Algorithm 1 with §3.2-3.4 and Appendix A).
 
 Prediction-free and tail-aware: every active request (waiting, partially
 prefilled or decoding) gets a γ-boosted arrival time, and the batch is filled in

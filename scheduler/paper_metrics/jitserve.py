@@ -1,4 +1,5 @@
-"""JITServe's service goodput (papers/000 §3 "Design Space", §6.2; papers/003 ch. 3).
+"""JITServe's service goodput (Zhang, Wu et al., NSDI 2026, §3 "Design Space", §6.2;
+Wu's 2025 MS thesis ch. 3).
 
 JITServe maximises *service goodput*, "the number of tokens that meet request
 SLOs". The requests of this system carry a TTFT and a TPOT SLO, i.e. they are

@@ -1,6 +1,6 @@
 """UniBoost's headline metric: P99 TTLT, overall and per priority class.
 
-Li et al. ("Beyond Prediction", papers/004) judge schedulers by tail
+Li et al. ("Beyond Prediction: Tail-Aware Scheduling for LLM Inference") judge schedulers by tail
 *Time-To-Last-Token* (§2.1: "tail completion time — TTLT at P95/P99 —
 directly captures user-perceived responsiveness"); TTLT is the response time
 of §3, ``T_i = C_i - a_i``: the time of a request's last token minus its

@@ -1,7 +1,8 @@
 """JITServe's power-of-K multi-replica extension of GMAX as a global policy.
 
-Source: papers/000 §4.3 "Supporting Multiple Models" (papers/003 §4.3, the same
-text for Concord/CALM): "For each request r, we create K dummy copies
+Source: JITServe (Zhang, Wu et al., NSDI 2026) §4.3 "Supporting Multiple Models"
+(Wu's 2025 MS thesis "SLO-aware Optimization and Stateful Orchestration for LLM
+Systems" §4.3, the same text for Concord/CALM): "For each request r, we create K dummy copies
 [r_1, …, r_K], by randomly sampling K models from the M available models. Each
 dummy r carries a replica-specific priority priority(r), and scheduling
 proceeds as usual over the enlarged set. Once a request is assigned to a
