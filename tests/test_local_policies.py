@@ -145,6 +145,22 @@ def test_vllm_fcfs_memory():
     assert chunks(plan) == [("big", 160)]
 
 
+def test_weighted_vtc_lets_another_class_finish_its_prefill_when_a_head_does_not_fit():
+    """The class with the smaller counter has a head memory cannot take; the other class
+    holds a partial prefill that must finish for memory to free up. Stopping the batch
+    there (VTC's plain rule) left the plan empty, and the simulator then preempted the
+    partial prefill, over and over (and the engine plugin, planning nothing, would
+    have idled with the partial prefill's KV held)."""
+    pol = policy("weighted_vtc")
+    pol.counters = {"high": 0.0, "low": 100.0}
+    pol._active = {"high", "low"}
+    part = wait("part", 0.0, 176, prio="low")
+    part.advance_prefill(16, 0.1)
+    head = wait("head", 0.05, 400, prio="high")       # 25 blocks: does not fit in 12
+    plan = pol.schedule(view([head, part], free_blocks=12))
+    assert [r.id for r, _ in plan.prefill] == ["part"]
+
+
 def test_new_requests_are_admitted_only_when_their_whole_prefill_fits():
     """The admission rule of every policy (BatchBuilder.admissible), the same in the
     simulator and the engine: a request without KV takes blocks only if its whole

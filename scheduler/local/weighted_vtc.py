@@ -19,7 +19,9 @@ Each step: all running decodes continue (memory permitting), then prefill
 chunks are admitted, each time from the active class with the smallest
 counter (FCFS within the class), ``min(remaining, budget left)`` tokens, until
 the token budget (``token_budget``, default the TBT-profiled one, as for
-Sarathi) or the KV memory runs out. While forming the batch a scratch copy of
+Sarathi) runs out; a class whose head memory cannot take now sits out the rest
+of the batch (a prefill of another class may hold the KV that has to finish
+first). While forming the batch a scratch copy of
 the counters is advanced by each admitted chunk so that classes interleave as
 in VTC; the real counters advance in :meth:`on_batch_done`: prefill chunk
 tokens (input, charged as they are admitted — with chunked prefill, chunk by
@@ -91,7 +93,11 @@ class WeightedVTC(LocalPolicy):
             r = queues[c][heads[c]]
             n = b.add_prefill(r, left)
             if n == 0:
-                break  # KV memory is full
+                # memory cannot take this class's head now: the class sits out this batch,
+                # the others go on (one of them may hold a partial prefill that must finish
+                # for memory to free up; stopping here would starve it)
+                del vc[c]
+                continue
             vc[c] += self.w_in * n / r.weight
             if n < r.remaining_prefill:
                 break  # budget or memory ran out inside this chunk
