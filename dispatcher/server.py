@@ -551,9 +551,11 @@ class Dispatcher:
         rec["end"] = time.time()
         if error:
             rec["error"] = error
+        if r is not None:
+            r.end(error or (None if outcome == "ok" else outcome))   # its output length is what it emitted
+            self.policy.on_request_finished(r, time.time())   # routers that learn from completions
         if r is not None and r.token_times:
             n = len(r.token_times)
-            r.end(error)          # its output length is what it emitted
             gain = self.cfg.gain
             got, ideal = gain.tdg(r), gain.ideal_gain(r)
             self.metrics.tdg_gained.labels(name).inc(got)

@@ -175,7 +175,8 @@ class ProServeScheduler(Scheduler):
         return InstanceView(now=now, waiting=waiting, decoding=decoding,
                             free_blocks=vllm_shim.free_blocks(self),
                             block_size=self.block_size, mode=self.mode,
-                            reserve_blocks=admission_reserve(len(decoding), vllm_shim.total_blocks(self)))
+                            reserve_blocks=admission_reserve(len(decoding), vllm_shim.total_blocks(self),
+                                                             idle=vllm_shim.holds_no_kv(self)))
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
@@ -200,7 +201,7 @@ class ProServeScheduler(Scheduler):
         self.last_info = plan.info
         self._plan = plan if not plan.empty else None
         if self._record is not None:
-            urgent = plan.terms.urgent_ids() if plan.terms is not None else set()
+            urgent = plan.urgent_ids()
             self._plan_record = {
                 "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
                 "est": plan.info.est_time, "now": now, "beta": self.estimator.beta,

@@ -107,6 +107,11 @@ def queues(sched: Scheduler) -> tuple:
     return sched.running, sched.kv_holding_waiting, sched.waiting
 
 
+def holds_no_kv(sched: Scheduler) -> bool:
+    """Nothing running and nothing waiting with KV: every request's blocks are free."""
+    return not sched.running and not sched.kv_holding_waiting
+
+
 def num_waiting(sched: Scheduler) -> int:
     return len(sched.waiting) + len(sched.kv_holding_waiting)
 

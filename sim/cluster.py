@@ -286,12 +286,20 @@ class Simulator:
             self.preemptions += 1
 
     def _start_step(self, inst: _Instance, now: float) -> None:
+        """Plan and start ``inst``'s next step; while the policy plans nothing, free what
+        holds memory (:meth:`_unstick`) and plan again (a loop, not recursion: a long
+        queue of requests that can never run would otherwise overflow the stack)."""
+        while self._try_step(inst, now):
+            pass
+
+    def _try_step(self, inst: _Instance, now: float) -> bool:
+        """One attempt; True if it should be retried (the plan was empty and something changed)."""
         inst.busy = False
         inst.macro_times = None
         if inst.mode == "decode":
             self._admit_kv(inst, now)
         if not inst.waiting and not inst.decoding:
-            return
+            return False
         bs = self.block_size
         if inst.mode == COLOCATED:
             self._ensure_decode_memory(inst, now)
@@ -306,7 +314,8 @@ class Simulator:
                     plan.decode.append(r)
         else:
             view = InstanceView(now, inst.waiting, inst.decoding, inst.free_blocks, self.block_size, inst.mode,
-                                reserve_blocks=admission_reserve(len(inst.decoding), inst.total_blocks))
+                                reserve_blocks=admission_reserve(len(inst.decoding), inst.total_blocks,
+                                                                 idle=inst.free_blocks == inst.total_blocks))
             plan = inst.policy.schedule(view)
             if self.cfg.record_timeline:
                 i = plan.info
@@ -342,10 +351,12 @@ class Simulator:
         inst.step_start = now
         inst.version += 1
         self._push(float(inst.macro_times[k - 1]), _STEP_DONE, (inst, inst.version))
+        return False
 
-    def _unstick(self, inst: _Instance, now: float) -> None:
+    def _unstick(self, inst: _Instance, now: float) -> bool:
         """The policy planned nothing although work is queued: KV memory is held by
-        requests the policy will not run now. Free some, as vLLM would, and retry."""
+        requests the policy will not run now. Free some, as vLLM would; True if the
+        step should be planned again."""
         if inst.mode == "decode":
             # every running decode sits at a block boundary and no block is free: swap the
             # newest one out (its KV leaves the device) and back in when blocks free up,
@@ -354,7 +365,7 @@ class Simulator:
             inst.free_blocks += inst.blocks_held(victim)
             inst.pending_kv.insert(0, victim)
             self.preemptions += 1
-            return self._start_step(inst, now)
+            return True
         partial = [r for r in inst.waiting if r.kv_len > 0]
         if partial:
             victim = partial[-1]          # the most recently started partial prefill
@@ -374,15 +385,20 @@ class Simulator:
         elif inst.free_blocks < inst.total_blocks:
             # prefill-only instance whose blocks hold finished prefills waiting for their
             # KV transfer: wait; _on_kv_arrived wakes it when they are freed
-            return
+            return False
         elif inst.waiting:
-            # nothing holds memory and still nothing fits
-            r = inst.waiting.pop(0)
-            self.qmap.remove(inst.id, r, now)
-            self._fail(r, "request does not fit in KV memory", now)
+            # nothing holds memory and still nothing was planned: fail the requests that
+            # cannot fit even the empty cache (a re-prefill after preemption can outgrow
+            # it); if there are none, the policy declined them all and the oldest goes
+            bs = self.block_size
+            never = [r for r in inst.waiting if -(-(r.prefill_len + 1) // bs) > inst.total_blocks]
+            for r in never or inst.waiting[:1]:
+                inst.waiting.remove(r)
+                self.qmap.remove(inst.id, r, now)
+                self._fail(r, "request does not fit in KV memory", now)
         else:
-            return
-        self._start_step(inst, now)
+            return False
+        return True
 
     def _macro_len(self, inst: _Instance, decodes: list[Request]) -> int:
         k = min(self.cfg.max_macro_steps, min(r.output_len - r.num_emitted for r in decodes))

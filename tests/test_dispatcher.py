@@ -68,6 +68,25 @@ def test_slo_attained_counts_the_requests_whose_records_met_their_slos(tmp_path)
     assert counted == met
 
 
+def test_the_router_hears_of_every_finished_request():
+    """Problem: the dispatcher never called the router's on_request_finished, so routers
+    that keep per-request state (SLOs-Serve's admitted set and memory model) or learn
+    output lengths (power-of-K) grew without bound or never learned."""
+    seen = []
+
+    async def go():
+        async with harness() as h:
+            h.d.policy.on_request_finished = lambda r, now: seen.append((r.id, r.finished, r.error))
+            ids = []
+            for _ in range(2):
+                r = await h.post("/v1/completions", body())
+                assert r.status_code == 200, r.text
+                ids.append(r.headers["x-request-id"])
+            return ids
+    ids = run(go())
+    assert seen == [(i, True, None) for i in ids]
+
+
 def test_client_cannot_raise_its_class_through_vllm_xargs():
     async def go():
         async with harness() as h:

@@ -116,6 +116,40 @@ def test_preemption_takes_the_most_recently_admitted_running_request():
     assert max(gaps) < 0.05, gaps
 
 
+TINY = LatencyModel(a_p=0, b_p=0, c_p=1e-4, a_d=0, b_d=1e-3, t_c=0.01)
+
+
+@pytest.mark.parametrize("policy", local_names())
+def test_a_request_that_fits_the_whole_cache_runs_on_an_idle_instance(policy):
+    """1,586 tokens of KV in a cache of 1,600: no reserve holds it back when nothing else
+    runs (the reserve protects running requests' growth; vLLM's watermark is likewise off
+    while nothing is scheduled). It was failed as not fitting."""
+    r = Request("r", "high", 1.0, 100.0, 10.0, 0.0, 1585, 2)
+    simulate([r], TINY, SimConfig(local_policy=policy, global_policy="round_robin", num_kv_blocks=100))
+    assert r.error is None and r.num_emitted == 2
+
+
+def test_nothing_fits_fails_only_what_can_never_fit():
+    """A low-class prompt half prefilled, a high-class one that needs the whole cache
+    behind it: both finish (neither is failed for the other's sake)."""
+    for pol in ("sarathi_priority", "sarathi_fcfs"):
+        P = Request("P", "low", 1.0, 10.0, 0.1, 0.0, 1000, 5)
+        H = Request("H", "high", 2.0, 10.0, 0.1, 0.015, 1585, 5)
+        simulate([P, H], TINY, SimConfig(local_policy=pol, global_policy="round_robin", num_kv_blocks=100,
+                                         local_params={"token_budget": 128}))
+        assert (P.error, P.num_emitted, H.error, H.num_emitted) == (None, 5, None, 5), pol
+
+
+def test_a_long_queue_of_requests_that_wait_for_memory_does_not_overflow_the_stack():
+    """800 prompts that each need the whole cache, queued behind a long decode: the
+    simulator retried the plan recursively (RecursionError); it loops now."""
+    A = Request("A", "low", 1.0, 10.0, 0.1, 0.0, 10, 400)
+    band = [Request(f"b{i}", "low", 1.0, 10.0, 0.1, 0.01 + i * 1e-4, 1585, 2) for i in range(800)]
+    simulate([A] + band, TINY, SimConfig(local_policy="slide_batching", global_policy="round_robin",
+                                         num_kv_blocks=100))
+    assert A.num_emitted == 400 and all(r.error is None and r.num_emitted == 2 for r in band)
+
+
 def test_request_larger_than_memory_fails_with_an_error(make_req):
     big, small = make_req(prompt=5000, output=2), make_req(prompt=10, output=2, arrival=0.1)
     out = simulate([big, small], MODEL, SimConfig(global_policy="round_robin", num_kv_blocks=100))

@@ -80,6 +80,15 @@ class BatchPlan:
     info: ScheduleInfo = field(default_factory=ScheduleInfo)
     #: the per-request terms behind the decision, for policies that compute them (else None)
     terms: StepTerms | None = None
+    #: ids a policy without terms marks (UniBoost: the MemGuard-pinned requests)
+    marked: set[str] | None = None
+
+    def urgent_ids(self) -> set[str]:
+        """The requests the policy set apart this step: URGENT (SlideBatching), the
+        running group (GMAX), pinned (UniBoost); empty for the others."""
+        if self.terms is not None:
+            return self.terms.urgent_ids()
+        return set(self.marked or ())
 
     @property
     def empty(self) -> bool:
@@ -90,10 +99,14 @@ class BatchPlan:
         return sum(n for _, n in self.prefill) + len(self.decode)
 
 
-def admission_reserve(n_decoding: int, total_blocks: int) -> int:
+def admission_reserve(n_decoding: int, total_blocks: int, idle: bool = False) -> int:
     """``InstanceView.reserve_blocks`` as every body sets it: one block of growth per
     running decode plus 1 % of the cache, kept from new requests so that admitting
-    prompts does not make the next decode steps preempt."""
+    prompts does not make the next decode steps preempt; none on an ``idle`` instance
+    (nothing holds KV), so that any request that fits the cache can start there (vLLM
+    applies its watermark only while something is scheduled, for the same reason)."""
+    if idle:
+        return 0
     return n_decoding + total_blocks // 100
 
 

@@ -284,6 +284,7 @@ class UniBoost(LocalPolicy):
                 pins[r.id] = (dec, next_threshold(s, k))
         self._pins = pins
         self._running = chosen
+        b.plan.marked = {r.id for _, r, _, _ in pinned}
         return b.finish(token_budget=budget, n_urgent=len(pinned), n_normal=len(free))
 
     # -- line 28: UPDATESTATS ----------------------------------------------------------------------
