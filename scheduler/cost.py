@@ -27,7 +27,7 @@ The next token's deadline (Eq. 3) is :meth:`scheduler.tdg.GainConfig.next_token_
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -35,7 +35,7 @@ import numpy as np
 class StepCosts:
     """Eq. 5-7 with every coefficient scaled by ``beta``."""
 
-    __slots__ = ("a_p", "b_p", "c_p", "a_d", "b_d", "t_c", "beta")
+    __slots__ = ("a_d", "a_p", "b_d", "b_p", "beta", "c_p", "t_c")
 
     def __init__(self, a_p: float, b_p: float, c_p: float, a_d: float, b_d: float, t_c: float,
                  beta: float = 1.0):
@@ -44,7 +44,7 @@ class StepCosts:
         self.beta = beta
 
     @classmethod
-    def of(cls, model, beta: float = 1.0) -> "StepCosts":
+    def of(cls, model, beta: float = 1.0) -> StepCosts:
         """The costs of a :class:`~scheduler.estimator.LatencyModel` at correction ``beta``."""
         return cls(model.a_p, model.b_p, model.c_p, model.a_d, model.b_d, model.t_c, beta)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import sys
 import time
 from pathlib import Path
@@ -32,18 +33,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workloads import build_workload  # noqa: E402
-from profiler.modelfile import BUNDLED, load  # noqa: E402
-from scheduler import GainConfig, registry  # noqa: E402
-from scheduler.request import ConfigError  # noqa: E402
-from sim.cluster import SimConfig, simulate  # noqa: E402
+from bench.workloads import build_workload
+from profiler.modelfile import BUNDLED, load
+from scheduler import GainConfig, registry
+from scheduler.request import ConfigError
+from sim.cluster import SimConfig, simulate
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 OVERLOAD_RATE = 50.0   # req/s offered to measure saturation: far above what one instance serves
 
 
 def _run(trace: str, policy: str, rate: float, n: int, model_path: str | None, deployment: str,
-         out: "mp.Queue") -> None:
+         out: mp.Queue) -> None:
     model = load(model_path or BUNDLED)
     reqs = build_workload(trace, rate=rate, num_requests=n, seed=0)
     gain = GainConfig.from_workload([r.prompt_len for r in reqs], [r.output_len for r in reqs])
@@ -64,7 +65,7 @@ def run_limited(limit: float, *args) -> dict | None:
     p.start()
     try:
         return q.get(timeout=limit + 5)   # + trace loading; the run's own wall time is checked by the caller
-    except Exception:
+    except queue.Empty:
         return None
     finally:
         p.kill()

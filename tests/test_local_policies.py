@@ -24,7 +24,14 @@ import random
 
 import pytest
 
-from scheduler import ConfigError, Estimator, LatencyModel, Request, make_local, registry
+from scheduler import (
+    ConfigError,
+    Estimator,
+    LatencyModel,
+    Request,
+    make_local,
+    registry,
+)
 from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
 from scheduler.local.base import blocks_for
 

@@ -240,7 +240,7 @@ def test_frame_boundary_preemption_only_when_gain_exceeds_stall_cost():
     # Δ = 20 steps: gain = (P_A − P_D)·0.22 s = 5.9 < loss -> D keeps its slot all along
     gain20 = (P_A - P_D) * min(20 * v, t_gen_A)
     assert gain20 < loss
-    pol, D, A, plans = _preemption_case(20, 300)
+    pol, _, _, plans = _preemption_case(20, 300)
     t = terms(plans[0])
     assert t["A"][2] > t["D"][2]                     # GMAX alone would take A
     assert all([r.id for r in p.decode] == ["D"] and not p.prefill for p in plans)
@@ -248,7 +248,7 @@ def test_frame_boundary_preemption_only_when_gain_exceeds_stall_cost():
     # Δ = 50 steps: gain = (P_A − P_D)·0.55 s = 14.7 > loss -> A displaces D at the boundary
     gain50 = (P_A - P_D) * min(50 * v, t_gen_A)
     assert gain50 > loss
-    pol, D, A, plans = _preemption_case(50, 300)
+    pol, D, _, plans = _preemption_case(50, 300)
     assert all([r.id for r in p.decode] == ["D"] for p in plans[:-1])   # mid-frame: no preemption
     last = plans[-1]
     assert [(r.id, n) for r, n in last.prefill] == [("A", 90)] and not last.decode

@@ -9,7 +9,14 @@ import pytest
 
 from bench.workloads import build_workload
 from profiler.modelfile import BUNDLED, load
-from scheduler import ConfigError, GainConfig, LatencyModel, Request, local_names, summarize
+from scheduler import (
+    ConfigError,
+    GainConfig,
+    LatencyModel,
+    Request,
+    local_names,
+    summarize,
+)
 from scheduler.request import Phase
 from sim.cluster import SimConfig, simulate
 

@@ -137,7 +137,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..length_bound import LengthBound
 from ..config import check_in_range
