@@ -144,7 +144,7 @@ class Request:
     def emit(self, now: float) -> None:
         """One token emitted at ``now`` (the end of a prefill, or :meth:`decode_step`)."""
         self.token_times.append(now)
-        self.phase = Phase.DONE if len(self.token_times) >= self.output_len else Phase.DECODING
+        self._after_tokens()
 
     def decode_step(self, now: float) -> None:
         """A decode step ending at ``now``: the previous token's KV is written, a token emitted."""
@@ -155,6 +155,10 @@ class Request:
         """``len(times)`` consecutive decode steps ending at ``times`` (a simulator macro-step)."""
         self.kv_len += len(times)
         self.token_times.extend(times)
+        self._after_tokens()
+
+    def _after_tokens(self) -> None:
+        """Emitted tokens end the request once it has produced ``output_len`` of them."""
         self.phase = Phase.DONE if len(self.token_times) >= self.output_len else Phase.DECODING
 
     def record_tokens(self, n: int, now: float) -> None:
