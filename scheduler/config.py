@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Mapping
 
+from . import validate
 from .request import ConfigError, PriorityClass
 
 DEFAULT_TTFT_SLO = 1.0
@@ -41,10 +42,12 @@ def classes_from_dicts(items: Iterable[Mapping], where: str = "priority classes"
     out: dict[str, PriorityClass] = {}
     for i, d in enumerate(items):
         try:
-            pc = PriorityClass(str(d["name"]), float(d["weight"]), float(d["ttft_slo"]), float(d["tpot_slo"]))
+            pc = PriorityClass(str(d["name"]), d["weight"], d["ttft_slo"], d["tpot_slo"])
         except KeyError as e:
             raise ConfigError(f"{where}[{i}]: missing field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except TypeError:   # not a mapping
+            validate.fail("", f"{where}[{i}]", "an object with name, weight, ttft_slo and tpot_slo", d)
+        except ConfigError as e:
             raise ConfigError(f"{where}[{i}]: {e}") from None
         if pc.name in out:
             raise ConfigError(f"{where}[{i}]: duplicate class name {pc.name!r}")
@@ -52,25 +55,6 @@ def classes_from_dicts(items: Iterable[Mapping], where: str = "priority classes"
     if not out:
         raise ConfigError(f"{where}: no classes defined")
     return out
-
-
-def check_positive(where: str, **values: float) -> None:
-    """Raise ConfigError naming the first value that is not > 0."""
-    for k, v in values.items():
-        if not isinstance(v, (int, float)) or v != v or v <= 0:
-            raise ConfigError(f"{where}: {k} must be > 0, got {v!r}")
-
-
-def check_in_range(where: str, name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
-    """``v`` as a float if it is a number in the interval (lo/hi open or closed), else a
-    ConfigError naming ``where``, ``name`` and the interval."""
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and v == v
-    if ok:
-        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ConfigError(f"{where}: {name} must be a number in {rng}, got {v!r}")
-    return float(v)
 
 
 def parse_key_values(items, what: str) -> dict:

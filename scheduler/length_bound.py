@@ -56,8 +56,7 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
-from .config import check_in_range
-from .local.base import check_count
+from . import validate
 
 
 class LengthBound:
@@ -65,9 +64,10 @@ class LengthBound:
 
     def __init__(self, quantile: float = 0.95, history: int = 5000, min_samples: int = 20,
                  prior_len: int = 1024, where: str = "length bound"):
-        self.quantile = check_in_range(where, "quantile", quantile, 0.0, 1.0, True, True)
-        check_count(where, history=history, min_samples=min_samples, prior_len=prior_len)
-        self.history, self.min_samples, self.prior_len = int(history), int(min_samples), int(prior_len)
+        self.quantile = validate.number(where, "quantile", quantile, 0, 1, lo_open=True, hi_open=True)
+        self.history = validate.integer(where, "history", history)
+        self.min_samples = validate.integer(where, "min_samples", min_samples)
+        self.prior_len = validate.integer(where, "prior_len", prior_len)
         self._sorted: list[int] = []          # the window, sorted
         self._order: deque[int] = deque()     # the window, oldest first
         self._cache: dict[int, int] = {}      # n -> U_q(n), cleared on every update

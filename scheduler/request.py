@@ -10,12 +10,10 @@ time in ``sim/``, ``time.monotonic()`` in the engines); only differences matter.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the bad value."""
+from . import validate
+from .validate import ConfigError  # noqa: F401  (re-exported: scheduler.request.ConfigError)
 
 
 class Phase(enum.Enum):
@@ -40,13 +38,10 @@ class PriorityClass:
     tpot_slo: float  # seconds
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ConfigError("priority class name must be non-empty")
-        for attr in ("weight", "ttft_slo", "tpot_slo"):
-            v = getattr(self, attr)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(
-                    f"priority class {self.name!r}: {attr} must be a positive number, got {v!r}")
+        validate.text("priority class", "name", self.name)
+        where = f"priority class {self.name!r}"
+        for attr in ("weight", "ttft_slo", "tpot_slo"):   # stored as floats
+            object.__setattr__(self, attr, validate.positive(where, attr, getattr(self, attr)))
 
 
 @dataclass(eq=False, slots=True)
@@ -77,14 +72,12 @@ class Request:
     error: str | None = None  # set when the request ends with an error instead of tokens
 
     def __post_init__(self) -> None:
-        if self.prompt_len < 1:
-            raise ConfigError(f"request {self.id}: prompt_len must be >= 1, got {self.prompt_len}")
-        if self.output_len < 1:
-            raise ConfigError(f"request {self.id}: output_len must be >= 1, got {self.output_len}")
-        for attr in ("weight", "ttft_slo", "tpot_slo"):
-            v = getattr(self, attr)
-            if not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"request {self.id}: {attr} must be positive, got {v!r}")
+        where = f"request {self.id}"
+        validate.integer(where, "prompt_len", self.prompt_len)
+        validate.integer(where, "output_len", self.output_len)
+        validate.positive(where, "weight", self.weight)
+        validate.positive(where, "ttft_slo", self.ttft_slo)
+        validate.positive(where, "tpot_slo", self.tpot_slo)
         if self.prefill_len == 0:
             self.prefill_len = self.prompt_len
 

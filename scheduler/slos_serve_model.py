@@ -91,7 +91,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from .config import check_in_range
+from . import validate
 from .cost import StepCosts
 from .request import ConfigError
 
@@ -113,11 +113,9 @@ DECODE_COSTS = ("model", "unit")
 # --------------------------------------------------------------------------------------
 def check_policy_params(where: str, decode_cost: str, roofline_pieces: int, output_len_prior: float) -> float:
     """Validate the parameters both SLOs-Serve policies take; returns ``output_len_prior`` as a float."""
-    if decode_cost not in DECODE_COSTS:
-        raise ConfigError(f"{where}: decode_cost must be one of {', '.join(DECODE_COSTS)}, got {decode_cost!r}")
-    if roofline_pieces not in (1, 2):
-        raise ConfigError(f"{where}: roofline_pieces must be 1 or 2, got {roofline_pieces!r}")
-    return check_in_range(where, "output_len_prior", output_len_prior, 1, math.inf, False, True)
+    validate.one_of(where, "decode_cost", decode_cost, DECODE_COSTS)
+    validate.integer(where, "roofline_pieces", roofline_pieces, 1, 2)
+    return validate.number(where, "output_len_prior", output_len_prior, 1)
 
 
 class MeanOutputLen:
@@ -168,9 +166,11 @@ class Roofline:
     def __post_init__(self) -> None:
         if not self.lines:
             raise ConfigError("roofline: needs at least one line")
-        for ln in self.lines:
-            if len(ln) != 3 or any(not math.isfinite(v) or v < 0 for v in ln):
-                raise ConfigError(f"roofline: each line must be (k1, k2, b) with finite values >= 0, got {ln!r}")
+        for i, ln in enumerate(self.lines):
+            if len(ln) != 3:
+                validate.fail("roofline", f"lines[{i}]", "(k1, k2, b)", ln)
+            for name, v in zip(("k1", "k2", "b"), ln):
+                validate.non_negative("roofline", f"lines[{i}].{name}", v)
         if all(k1 <= 0 for k1, _, _ in self.lines):
             raise ConfigError("roofline: every line has k1 = 0; Time2BS would be unbounded")
 
@@ -205,8 +205,7 @@ class Roofline:
         relative error over all samples is kept, then refined by reassigning
         each sample to the line that predicts its time and refitting.
         """
-        if pieces not in (1, 2):
-            raise ConfigError(f"roofline: pieces must be 1 or 2 (the paper uses L = 2), got {pieces!r}")
+        validate.integer("roofline", "pieces", pieces, 1, 2)   # the paper uses L = 2
         rows = sorted((float(n), float(s), float(t)) for n, s, t in samples)
         if len(rows) < 2:
             raise ConfigError(f"roofline: need at least 2 samples to fit, got {len(rows)}")
@@ -254,8 +253,7 @@ class Roofline:
         """Fit to Eq. 5+7 for one prefill chunk on an empty KV cache:
         ``T(N) = t_c + c_p·N + a_p·N²`` for N on a geometric grid from 1 token
         to the largest chunk that takes ``max_time`` seconds."""
-        if not (isinstance(max_time, (int, float)) and max_time > model.t_c):
-            raise ConfigError(f"roofline: max_time must exceed t_c = {model.t_c:g} s, got {max_time!r}")
+        validate.number("roofline", "max_time", max_time, model.t_c, lo_open=True)   # > t_c
         # GETMAXCHUNK on an empty cache: the largest chunk with t_c + T~_p(N) <= max_time
         n_hi = max(2, StepCosts.of(model).max_chunk(0, 1 << 40, max_time - model.t_c))
         grid = sorted({max(1, int(round(v))) for v in np.geomspace(1, n_hi, points)})
@@ -351,11 +349,6 @@ def _base_at(t: float, now: float, sigma: float, base_rate: float, times, after,
     return after[k - 1] + (sigma - rates[k - 1]) * (t - times[k - 1])
 
 
-def _check(name: str, v: float) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-        raise ConfigError(f"admission DP: {name} must be a finite number >= 0, got {v!r}")
-
-
 def feasible_alone(now: float, sigma: float, base_rate: float, forced: Sequence[Job],
                    candidates: Sequence[Job], tier_rates: Sequence[float], mem_cap: int | None = None,
                    eps: float = 1e-6) -> list[bool]:
@@ -396,19 +389,19 @@ def admit_dp(now: float, sigma: float, base_rate: float, forced: Sequence[Job],
     flattened; per state the smallest deficit ``D`` = forced-only budget −
     budget of the state (the largest pb of App. C's ``pb[i, m, n]``).
     """
-    _check("sigma", sigma)
-    _check("base_rate", base_rate)
-    for r in tier_rates:
-        _check("tier rate", r)
-    if mem_cap is not None and (isinstance(mem_cap, bool) or not isinstance(mem_cap, int) or mem_cap < 0):
-        raise ConfigError(f"admission DP: mem_cap must be an integer >= 0 or None, got {mem_cap!r}")
+    validate.non_negative("admission DP", "sigma", sigma)
+    validate.non_negative("admission DP", "base_rate", base_rate)
+    for i, r in enumerate(tier_rates):
+        validate.non_negative("admission DP", f"tier_rates[{i}]", r)
+    if mem_cap is not None:
+        mem_cap = validate.integer("admission DP", "mem_cap", mem_cap, 0)
     L = len(tier_rates)
     counts = [0] * L
-    for c in candidates:
+    for c in candidates:   # inline conditions: this loop runs every step
         if not 0 <= c.tier < L:
-            raise ConfigError(f"admission DP: candidate tier {c.tier} outside 0..{L - 1}")
+            validate.fail("admission DP", "a candidate's tier", f"in 0..{L - 1}", c.tier)
         if mem_cap is not None and (c.m < 0 or c.m != int(c.m)):
-            raise ConfigError(f"admission DP: candidate memory must be a whole number of units >= 0, got {c.m!r}")
+            validate.fail("admission DP", "a candidate's memory", "a whole number of units >= 0", c.m)
         counts[c.tier] += 1
     times, after, rates = _base_walk(now, sigma, base_rate, forced)
     rate_end = rates[-1] if rates else base_rate

@@ -14,12 +14,12 @@ below their SLOs), TTFT/TPOT P50/P90/P99, throughput.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from . import validate
 from .request import ConfigError, Request
 
 DEADLINE_VARIANTS = ("fixed", "ttft_anchored")
@@ -41,15 +41,11 @@ class GainConfig:
     deadline: str = "fixed"
 
     def __post_init__(self) -> None:
-        for attr in ("w_p", "w_d"):
-            v = getattr(self, attr)
-            if not math.isfinite(v) or v < 0:
-                raise ConfigError(f"gain: {attr} must be a non-negative number, got {v!r}")
+        validate.non_negative("gain", "w_p", self.w_p)
+        validate.non_negative("gain", "w_d", self.w_d)
         if self.w_p == 0 and self.w_d == 0:
             raise ConfigError("gain: w_p and w_d cannot both be 0")
-        if self.deadline not in DEADLINE_VARIANTS:
-            raise ConfigError(f"gain: unknown deadline variant {self.deadline!r}; "
-                              f"choose one of {', '.join(DEADLINE_VARIANTS)}")
+        validate.one_of("gain", "deadline", self.deadline, DEADLINE_VARIANTS)
 
     @classmethod
     def from_workload(cls, prompt_lens: Sequence[int], output_lens: Sequence[int],

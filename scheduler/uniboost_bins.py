@@ -34,7 +34,7 @@ import math
 from collections import deque
 from typing import Iterable, Sequence
 
-from .request import ConfigError
+from . import validate
 
 #: Eq. 9: -(ln F̄(t99) - ln F̄(t95)) = ln(0.05/0.01)
 LN5 = math.log(5.0)
@@ -96,8 +96,7 @@ def empirical_quantile(sorted_values: Sequence[float], p: float) -> float:
     n = len(sorted_values)
     if n == 0:
         return float("nan")
-    if not 0 < p <= 100:
-        raise ConfigError(f"percentile must be in (0, 100], got {p!r}")
+    validate.number("", "percentile", p, 0, 100, lo_open=True)
     # ⌈n·p/100⌉, rounded first so that float noise (n·p/100 = 99.00000000000001) cannot add one
     i = math.ceil(round(n * p / 100, 9))
     return float(sorted_values[max(i, 1) - 1])
@@ -131,27 +130,19 @@ class TailGamma:
     def __init__(self, gamma: float, gamma_min: float, gamma_max: float, smoothing: float,
                  epsilon: float, window: int, min_samples: int, tail_constant: str = "eq9",
                  where: str = "uniboost"):
-        for name, v in (("gamma", gamma), ("gamma_min", gamma_min), ("gamma_max", gamma_max),
-                        ("epsilon", epsilon)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{where}: {name} must be a finite number > 0, got {v!r}")
-        if gamma_min > gamma_max:
-            raise ConfigError(f"{where}: gamma_min ({gamma_min!r}) must be <= gamma_max ({gamma_max!r})")
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 < smoothing <= 1:
-            raise ConfigError(f"{where}: smoothing must be in (0, 1], got {smoothing!r}")
-        for name, v in (("window", window), ("min_samples", min_samples)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 2:
-                raise ConfigError(f"{where}: {name} must be an integer >= 2, got {v!r}")
-        if min_samples > window:
-            raise ConfigError(f"{where}: min_samples ({min_samples}) must be <= window ({window})")
-        if tail_constant not in TAIL_CONSTANTS:
-            raise ConfigError(f"{where}: tail_constant must be one of {', '.join(TAIL_CONSTANTS)}, "
-                              f"got {tail_constant!r}")
-        self.gamma_min, self.gamma_max = float(gamma_min), float(gamma_max)
-        self.gamma = min(max(float(gamma), self.gamma_min), self.gamma_max)
-        self.smoothing = float(smoothing)
-        self.epsilon = float(epsilon)
-        self.min_samples = min_samples
+        gamma = validate.positive(where, "gamma", gamma)
+        self.gamma_min = validate.positive(where, "gamma_min", gamma_min)
+        self.gamma_max = validate.positive(where, "gamma_max", gamma_max)
+        self.epsilon = validate.positive(where, "epsilon", epsilon)
+        if self.gamma_min > self.gamma_max:
+            validate.fail(where, "gamma_min", f"<= gamma_max ({gamma_max!r})", gamma_min)
+        self.smoothing = validate.number(where, "smoothing", smoothing, 0, 1, lo_open=True)
+        window = validate.integer(where, "window", window, 2)
+        self.min_samples = validate.integer(where, "min_samples", min_samples, 2)
+        if self.min_samples > window:
+            validate.fail(where, "min_samples", f"<= window ({window})", min_samples)
+        validate.one_of(where, "tail_constant", tail_constant, TAIL_CONSTANTS)
+        self.gamma = min(max(gamma, self.gamma_min), self.gamma_max)
         self.C = TAIL_CONSTANTS[tail_constant]
         self.samples: deque[float] = deque(maxlen=window)   # the window 𝓛
         self.updates = 0

@@ -338,8 +338,9 @@ def test_config_file_errors_name_the_entry(tmp_path):
         ({"prefill": [{"url": "http://a:1"}]}, "needs decode instances"),
         ({"dispatcher": {"deployment": "mesh"}, "prefill": [{"url": "http://a:1"}]}, "deployment must be one of"),
         ({"dispatcher": {"prot": 1}}, "unknown key(s) prot"),
-        ({"gain": {"w_p": -1}}, "w_p must be a non-negative number"),
-        ({"classes": [{"name": "gold", "weight": 0, "ttft_slo": 1, "tpot_slo": 0.1}]}, "weight must be a positive"),
+        ({"gain": {"w_p": -1}}, "w_p must be a number >= 0, got -1"),
+        ({"classes": [{"name": "gold", "weight": 0, "ttft_slo": 1, "tpot_slo": 0.1}]},
+         "weight must be a number > 0, got 0"),
     ]
     for data, msg in cases:
         with pytest.raises(ConfigError, match=None) as e:

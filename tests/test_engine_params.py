@@ -76,7 +76,7 @@ def test_engine_config_rejects_bad_values():
         EngineConfig.from_dict({"local_policy": "nope"})
     with pytest.raises(ConfigError, match="mode must be one of"):
         EngineConfig.from_dict({"mode": "both"})
-    with pytest.raises(ConfigError, match="gamma must be > 0"):
+    with pytest.raises(ConfigError, match="gamma must be a number > 0"):
         check({"policy_params": {"gamma": 0}})
     with pytest.raises(ConfigError, match="unexpected keyword"):
         check({"policy_params": {"gama": 1}})
@@ -125,7 +125,7 @@ def test_worker_colocated_and_off():
 
 @pytest.mark.parametrize("flags, msg", [
     (["--local-policy", "nope"], "unknown policy 'nope'"),
-    (["--gamma", "-1"], "gamma must be > 0"),
+    (["--gamma", "-1"], "gamma must be a number > 0"),
     (["--latency-model", "/nonexistent.json"], "cannot read"),
     (["--default-class", "gold"], "--default-class 'gold' is not a class"),
     (["--policy-param", "gamma"], "KEY=VALUE"),
@@ -143,7 +143,7 @@ def test_worker_classes_file(tmp_path):
     assert json.loads(_flag(argv, "--additional-config"))["proserve"]["classes"][0]["name"] == "gold"
     assert env[params.DEFAULT_CLASS_ENV] == "gold"
     f.write_text(json.dumps([{"name": "gold", "weight": -3, "ttft_slo": 0.5, "tpot_slo": 0.05}]))
-    with pytest.raises(SystemExit, match="weight must be a positive number"):
+    with pytest.raises(SystemExit, match="weight must be a number > 0"):
         _argv("prefill", "--classes", str(f))
     f.write_text("[{")
     with pytest.raises(SystemExit, match="not valid JSON"):

@@ -174,7 +174,7 @@ def test_beta_tracks_a_slower_true_model():
 @pytest.mark.parametrize("kw,match", [
     (dict(local_policy="nope"), "unknown local policy 'nope'"),
     (dict(global_policy="nope"), "unknown global policy 'nope'"),
-    (dict(local_params={"gamma": 0}), "gamma must be > 0"),
+    (dict(local_params={"gamma": 0}), "gamma must be a number > 0"),
     (dict(local_params={"gamma": -1}), "gamma"),
     (dict(deployment="mesh"), "deployment"),
     (dict(instances=0), "instances must be >= 1"),
@@ -196,8 +196,8 @@ def _cli(*args):
 
 @pytest.mark.parametrize("args,match", [
     (["run", "--local", "bogus"], "unknown local policy 'bogus'"),
-    (["run", "--local-param", "gamma=0"], "gamma must be > 0"),
-    (["run", "--local-param", "eta=-1"], "eta must be > 0"),
+    (["run", "--local-param", "gamma=0"], "gamma must be a number > 0"),
+    (["run", "--local-param", "eta=-1"], "eta must be a number > 0"),
     (["run", "--rate", "-2"], "rate must be > 0"),
     (["sweep", "--rates", "1,x"], "--rates"),
     (["run", "--global-param", "alpha=2"], "alpha"),
@@ -212,10 +212,10 @@ def test_cli_bad_classes_and_empty_trace(tmp_path):
     bad = tmp_path / "classes.json"
     bad.write_text(json.dumps([{"name": "gold", "weight": -1, "ttft_slo": 1, "tpot_slo": 0.1}]))
     p = _cli("run", "--classes", str(bad), "--num-requests", "10")
-    assert p.returncode == 2 and "weight must be a positive number" in p.stderr
+    assert p.returncode == 2 and "weight must be a number > 0, got -1" in p.stderr
     bad.write_text(json.dumps([{"name": "gold", "weight": 2, "ttft_slo": -1, "tpot_slo": 0.1}]))
     p = _cli("run", "--classes", str(bad), "--num-requests", "10")
-    assert p.returncode == 2 and "'gold': ttft_slo must be a positive number, got -1" in p.stderr
+    assert p.returncode == 2 and "'gold': ttft_slo must be a number > 0, got -1" in p.stderr
     empty = tmp_path / "empty.csv"
     empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     p = _cli("run", "--trace", str(empty), "--format", "azure")

@@ -12,8 +12,9 @@ skipped. The token budget is fixed (§3.2 studies EDF under a static budget):
 
 from __future__ import annotations
 
+from .. import validate
 from ..registry import register_local
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local
@@ -24,7 +25,7 @@ class EDF(LocalPolicy):
     def __init__(self, estimator, gain=None, classes=None, token_budget: int | None = None):
         super().__init__(estimator, gain, classes)
         if token_budget is not None:
-            check_count(self.name, token_budget=token_budget)
+            token_budget = validate.integer(self.name, "token_budget", token_budget)
         self.token_budget = token_budget
 
     def key(self, r) -> float:

@@ -27,11 +27,9 @@ its share of the budget to prefills and runs after them if room is left.
 
 from __future__ import annotations
 
-import math
-
+from .. import validate
 from ..registry import register_local
-from ..request import ConfigError
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local
@@ -43,13 +41,9 @@ class FairBatching(LocalPolicy):
                  slack: float | None = None):
         super().__init__(estimator, gain, classes)
         if token_budget is not None:
-            check_count(self.name, token_budget=token_budget)
-        if slack is None:
-            slack = self.min_tpot_slo()
-        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
-            raise ConfigError(f"{self.name}: slack must be a finite number >= 0, got {slack!r}")
+            token_budget = validate.integer(self.name, "token_budget", token_budget)
         self.token_budget = token_budget
-        self.slack = float(slack)
+        self.slack = validate.non_negative(self.name, "slack", self.min_tpot_slo() if slack is None else slack)
 
     def schedule(self, view: InstanceView) -> BatchPlan:
         budget = self.token_budget or self.tbt_token_budget()

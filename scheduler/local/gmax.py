@@ -139,11 +139,11 @@ import heapq
 import math
 from collections.abc import Mapping
 
+from .. import validate
 from ..length_bound import LengthBound
-from ..config import check_in_range
 from ..registry import register_local
-from ..request import ConfigError, Request
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms, check_count
+from ..request import Request
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms
 
 GOODPUTS = ("tdg", "tokens")
 
@@ -232,18 +232,14 @@ class GMAX(LocalPolicy):
         if batch_size is None or batch_size == "auto":
             self.batch_size = None
         else:
-            check_count(n, batch_size=batch_size)
-            self.batch_size = int(batch_size)
-        self.cutoff = check_in_range(n, "cutoff", cutoff, 0.0, 1.0, True, False)
-        check_count(n, frame_steps=frame_steps)
-        self.frame_steps = int(frame_steps)
-        self.delta = check_in_range(n, "delta", delta, 0.0, math.inf, False, True)
+            self.batch_size = validate.integer(n, "batch_size", batch_size)
+        self.cutoff = validate.number(n, "cutoff", cutoff, 0, 1, lo_open=True)
+        self.frame_steps = validate.integer(n, "frame_steps", frame_steps)
+        self.delta = validate.non_negative(n, "delta", delta)
         if token_budget is not None:
-            check_count(n, token_budget=token_budget)
+            token_budget = validate.integer(n, "token_budget", token_budget)
         self.token_budget = token_budget
-        if goodput not in GOODPUTS:
-            raise ConfigError(f"{n}: goodput must be one of {', '.join(GOODPUTS)}, got {goodput!r}")
-        self.goodput = goodput
+        self.goodput = validate.one_of(n, "goodput", goodput, GOODPUTS)
         self.bound = LengthBound(quantile, history, min_samples, prior_len, where=n)
         # state across steps
         self._group: set[str] = set()               # ids of the running group

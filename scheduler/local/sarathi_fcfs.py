@@ -17,8 +17,9 @@ it. On a prefill-only instance there are no decodes and only step 2 runs.
 
 from __future__ import annotations
 
+from .. import validate
 from ..registry import register_local
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local
@@ -29,7 +30,7 @@ class SarathiFCFS(LocalPolicy):
     def __init__(self, estimator, gain=None, classes=None, token_budget: int | None = None):
         super().__init__(estimator, gain, classes)
         if token_budget is not None:
-            check_count(self.name, token_budget=token_budget)
+            token_budget = validate.integer(self.name, "token_budget", token_budget)
         self.token_budget = token_budget
 
     def order_waiting(self, waiting):

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 
+from .. import validate
 from ..cost import queue_terms
 from ..registry import register_local
-from ..request import ConfigError
 from .base import COLOCATED, PREFILL_ONLY, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms
 
 PHIS = ("auto", "a", "c", "p")
@@ -51,19 +51,11 @@ class SlideBatching(LocalPolicy):
     def __init__(self, estimator, gain=None, classes=None, gamma: float = 1.0,
                  eta: float | None = None, phi: str = "auto", token_budget: int | None = None):
         super().__init__(estimator, gain, classes)
-        if not isinstance(gamma, (int, float)) or not gamma > 0 or math.isnan(gamma):
-            raise ConfigError(f"{self.name}: gamma must be > 0, got {gamma!r}")
-        if eta is None:
-            eta = self.min_tpot_slo()
-        if not isinstance(eta, (int, float)) or not eta > 0:
-            raise ConfigError(f"{self.name}: eta must be > 0, got {eta!r}")
-        if phi not in PHIS:
-            raise ConfigError(f"{self.name}: phi must be one of {', '.join(PHIS)}, got {phi!r}")
-        if token_budget is not None and token_budget < 1:
-            raise ConfigError(f"{self.name}: token_budget must be >= 1, got {token_budget!r}")
-        self.gamma = float(gamma)
-        self.eta = float(eta)
-        self.phi = phi
+        self.gamma = validate.positive(self.name, "gamma", gamma)
+        self.eta = validate.positive(self.name, "eta", self.min_tpot_slo() if eta is None else eta)
+        self.phi = validate.one_of(self.name, "phi", phi, PHIS)
+        if token_budget is not None:
+            token_budget = validate.integer(self.name, "token_budget", token_budget)
         self.token_budget = token_budget
 
     # -- Alg. 1 lines 1-7 --------------------------------------------------------

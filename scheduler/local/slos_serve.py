@@ -108,12 +108,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .. import validate
 from ..registry import register_local
-from ..config import check_in_range
-from ..request import ConfigError
 from ..slos_serve_model import (Job, MeanOutputLen, Roofline, admit_dp, check_policy_params, default_fit_max_time,
                                 feasible_alone, line_deadline)
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 _ONE = 1.0 - 1e-9   # one roofline token, less float noise
 MEM_GROWTH = ("peak", "horizon")
@@ -144,22 +143,17 @@ class SLOsServe(LocalPolicy):
         super().__init__(estimator, gain, classes)
         if batch_time is None:
             batch_time = self.min_tpot_slo()
-        batch_time = check_in_range(self.name, "batch_time", batch_time, 0, math.inf, True, True)
-        output_len_prior = check_policy_params(self.name, decode_cost, roofline_pieces, output_len_prior)
-        check_count(self.name, max_new=max_new)
+        n = self.name
+        batch_time = validate.positive(n, "batch_time", batch_time)
+        output_len_prior = check_policy_params(n, decode_cost, roofline_pieces, output_len_prior)
+        max_new = validate.integer(n, "max_new", max_new)
         if fit_max_time is None:
             fit_max_time = default_fit_max_time(self.classes, batch_time)
-        fit_max_time = check_in_range(self.name, "fit_max_time", fit_max_time, estimator.model.t_c, math.inf,
-                                      True, True)
-        if isinstance(mem_units, bool) or not isinstance(mem_units, int) or mem_units < 0:
-            raise ConfigError(f"{self.name}: mem_units must be an integer >= 0 (0: no memory dimension), "
-                              f"got {mem_units!r}")
-        if mem_growth not in MEM_GROWTH:
-            raise ConfigError(f"{self.name}: mem_growth must be one of {', '.join(MEM_GROWTH)}, got {mem_growth!r}")
-        self.mem_growth = mem_growth
+        fit_max_time = validate.number(n, "fit_max_time", fit_max_time, estimator.model.t_c, lo_open=True)
+        self.mem_units = validate.integer(n, "mem_units", mem_units, 0)   # 0: no memory dimension
+        self.mem_growth = validate.one_of(n, "mem_growth", mem_growth, MEM_GROWTH)
         self.batch_time = batch_time
         self._horizon = max(c.ttft_slo for c in self.classes.values())
-        self.mem_units = mem_units
         self._o_hat = MeanOutputLen(output_len_prior)
         self._mem_pressure_at = -math.inf   # last time a new request was declined for memory
         self.decode_cost = decode_cost

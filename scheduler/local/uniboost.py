@@ -127,10 +127,11 @@ from __future__ import annotations
 import math
 from operator import itemgetter
 
+from .. import validate
 from ..registry import register_local
-from ..request import ConfigError, Request
+from ..request import Request
 from ..uniboost_bins import TailGamma, boost, next_threshold, quantize
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 A_REFS = ("arrival", "phase_entry")
 _first = itemgetter(0)
@@ -148,32 +149,22 @@ class UniBoost(LocalPolicy):
                  max_num_seqs: int = 256, token_budget: int | None = None,
                  token_seconds: float | None = None, a_ref: str = "arrival"):
         super().__init__(estimator, gain, classes)
-        check_count(self.name, k=k, max_num_seqs=max_num_seqs)
+        n = self.name
+        self.k = validate.integer(n, "k", k)
+        self.max_num_seqs = validate.integer(n, "max_num_seqs", max_num_seqs)
         if token_budget is not None:
-            check_count(self.name, token_budget=token_budget)
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta) \
-                or delta < 0:
-            raise ConfigError(f"{self.name}: delta must be a finite number >= 0, got {delta!r}")
-        for nm, v in (("adaptive", adaptive), ("memguard", memguard)):
-            if not isinstance(v, bool):
-                raise ConfigError(f"{self.name}: {nm} must be true or false, got {v!r}")
-        if token_seconds is not None and (isinstance(token_seconds, bool)
-                                          or not isinstance(token_seconds, (int, float))
-                                          or not math.isfinite(token_seconds) or token_seconds <= 0):
-            raise ConfigError(f"{self.name}: token_seconds must be a number > 0, got {token_seconds!r}")
-        if a_ref not in A_REFS:
-            raise ConfigError(f"{self.name}: a_ref must be one of {', '.join(A_REFS)}, got {a_ref!r}")
+            token_budget = validate.integer(n, "token_budget", token_budget)
+        self.token_budget = token_budget
+        self.delta = validate.non_negative(n, "delta", delta)
+        self.adaptive = validate.boolean(n, "adaptive", adaptive)
+        self.memguard = validate.boolean(n, "memguard", memguard)
+        if token_seconds is not None:
+            token_seconds = validate.positive(n, "token_seconds", token_seconds)
+        self.token_seconds = token_seconds
+        self.a_ref = validate.one_of(n, "a_ref", a_ref, A_REFS)
         # UPDATEGAMMA's state (§3.4); validates gamma, bounds, smoothing, epsilon, window, constant
         self.tail = TailGamma(gamma, gamma_min, gamma_max, smoothing, epsilon, window, min_samples,
-                              tail_constant, where=self.name)
-        self.k = int(k)
-        self.delta = float(delta)
-        self.adaptive = adaptive
-        self.memguard = memguard
-        self.max_num_seqs = int(max_num_seqs)
-        self.token_budget = token_budget
-        self.token_seconds = None if token_seconds is None else float(token_seconds)
-        self.a_ref = a_ref
+                              tail_constant, where=n)
         #: MemGuard pins: request id -> (in decode phase, signal value that releases the pin)
         self._pins: dict[str, tuple[bool, int]] = {}
         #: ids in the previous batch ("currently executing", Eq. 7)

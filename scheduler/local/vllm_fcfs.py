@@ -24,8 +24,9 @@ On a prefill-only instance there are no decodes, so only the prefill rule runs.
 
 from __future__ import annotations
 
+from .. import validate
 from ..registry import register_local
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local
@@ -36,9 +37,8 @@ class VllmFCFS(LocalPolicy):
     def __init__(self, estimator, gain=None, classes=None,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256):
         super().__init__(estimator, gain, classes)
-        check_count(self.name, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-        self.max_num_batched_tokens = int(max_num_batched_tokens)
-        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = validate.integer(self.name, "max_num_batched_tokens", max_num_batched_tokens)
+        self.max_num_seqs = validate.integer(self.name, "max_num_seqs", max_num_seqs)
 
     def schedule(self, view: InstanceView) -> BatchPlan:
         decoding = view.decoding if view.mode == COLOCATED else []

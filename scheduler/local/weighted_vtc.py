@@ -32,11 +32,10 @@ in decode steps).
 
 from __future__ import annotations
 
-import math
-
+from .. import validate
 from ..registry import register_local
 from ..request import ConfigError
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, check_count
+from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local
@@ -48,15 +47,12 @@ class WeightedVTC(LocalPolicy):
                  w_in: float = 1.0, w_out: float = 2.0):
         super().__init__(estimator, gain, classes)
         if token_budget is not None:
-            check_count(self.name, token_budget=token_budget)
-        for k, v in (("w_in", w_in), ("w_out", w_out)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{self.name}: {k} must be a finite number >= 0, got {v!r}")
-        if w_in == 0 and w_out == 0:
-            raise ConfigError(f"{self.name}: w_in and w_out cannot both be 0")
+            token_budget = validate.integer(self.name, "token_budget", token_budget)
         self.token_budget = token_budget
-        self.w_in = float(w_in)
-        self.w_out = float(w_out)
+        self.w_in = validate.non_negative(self.name, "w_in", w_in)
+        self.w_out = validate.non_negative(self.name, "w_out", w_out)
+        if self.w_in == 0 and self.w_out == 0:
+            raise ConfigError(f"{self.name}: w_in and w_out cannot both be 0")
         self.counters: dict[str, float] = {}
         self._active: set[str] = set()
         self._last_left: float | None = None

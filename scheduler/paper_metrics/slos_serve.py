@@ -26,16 +26,15 @@ from __future__ import annotations
 import math
 from typing import Iterable, Sequence
 
+from .. import validate
 from ..request import ConfigError, Request
 
 MODES = ("line", "window")
 
 
 def _check(mode: str, window: int) -> None:
-    if mode not in MODES:
-        raise ConfigError(f"slos_serve metric: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(f"slos_serve metric: window must be an integer >= 1, got {window!r}")
+    validate.one_of("slos_serve metric", "mode", mode, MODES)
+    validate.integer("slos_serve metric", "window", window)
 
 
 def request_attained(req: Request, mode: str = "line", window: int = 10) -> bool:
@@ -102,10 +101,8 @@ def capacity(points: Sequence[tuple[float, float]], target: float = 0.9, num_gpu
     by ``num_gpus`` (§6: per-GPU load). 0.0 if even the lowest rate misses the
     target; the highest rate swept if none does (then a lower bound).
     """
-    if not 0 < target <= 1:
-        raise ConfigError(f"slos_serve capacity: target must be in (0, 1], got {target!r}")
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise ConfigError(f"slos_serve capacity: num_gpus must be an integer >= 1, got {num_gpus!r}")
+    validate.number("slos_serve capacity", "target", target, 0, 1, lo_open=True)
+    validate.integer("slos_serve capacity", "num_gpus", num_gpus)
     pts = sorted((float(r), float(a)) for r, a in points)
     if not pts:
         raise ConfigError("slos_serve capacity: no (rate, attainment) points")

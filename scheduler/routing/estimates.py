@@ -61,7 +61,8 @@ from itertools import accumulate
 from operator import itemgetter
 from typing import Mapping, NamedTuple
 
-from ..request import ConfigError, PriorityClass, Request
+from .. import validate
+from ..request import PriorityClass, Request
 from ..tdg import GainConfig
 from .base import COLOCATED, PrefillInstance
 
@@ -140,9 +141,7 @@ def resolve_eta(eta: float | None, classes: Mapping[str, PriorityClass], where: 
     """
     if eta is None:
         return min((c.tpot_slo for c in classes.values()), default=None)
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not (0 < eta < math.inf):
-        raise ConfigError(f"{where}: eta must be a finite number > 0, got {eta!r}")
-    return float(eta)
+    return validate.positive(where, "eta", eta)
 
 
 class Estimate(NamedTuple):

@@ -51,12 +51,10 @@ its remaining time; they differ only if the dispatcher holds req before routing)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from ..config import check_in_range
+from .. import validate
 from ..registry import register_global
-from ..request import ConfigError
 from .base import DISAGGREGATED, GlobalPolicy
 from .estimates import evaluate, resolve_eta
 
@@ -89,16 +87,14 @@ class GoRouting(GlobalPolicy):
                  alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None,
                  fallback: str = "random"):
         super().__init__(gain, classes, deployment, seed)
-        self.alpha = check_in_range(self.name, "alpha", alpha, 0.0, 1.0, True, False)
-        self.mu = check_in_range(self.name, "mu", mu, 0.0, math.inf, False, True)
-        self.lam = check_in_range(self.name, "lam", lam, 0.0, math.inf, True, True)
+        n = self.name
+        self.alpha = validate.number(n, "alpha", alpha, 0, 1, lo_open=True)
+        self.mu = validate.non_negative(n, "mu", mu)
+        self.lam = validate.positive(n, "lam", lam)
         if self.mu > self.lam:
-            raise ConfigError(f"{self.name}: mu (lower threshold) must be <= lam (upper threshold), "
-                              f"got mu={mu!r}, lam={lam!r}")
-        self.eta = resolve_eta(eta, self.classes, self.name)
-        if fallback not in FALLBACKS:
-            raise ConfigError(f"{self.name}: fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
-        self.fallback = fallback
+            validate.fail(n, "mu (lower threshold)", f"<= lam (upper threshold) = {lam!r}", mu)
+        self.eta = resolve_eta(eta, self.classes, n)
+        self.fallback = validate.one_of(n, "fallback", fallback, FALLBACKS)
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):

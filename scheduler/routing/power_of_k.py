@@ -54,13 +54,13 @@ first-token estimates of the latest call, for logs and tests.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
+from .. import validate
 from ..length_bound import LengthBound
 from ..local.gmax import GOODPUTS, achievable_goodput
 from ..registry import register_global
-from ..request import ConfigError, Request
+from ..request import Request
 from .base import COLOCATED, DISAGGREGATED, GlobalPolicy, PrefillInstance
 from .estimates import lag, queued_work, resolve_eta
 
@@ -84,13 +84,9 @@ class PowerOfK(GlobalPolicy):
                  k: int | None = None, eta: float | None = None, goodput: str = "tdg",
                  quantile: float = 0.95, history: int = 5000, min_samples: int = 20, prior_len: int = 1024):
         super().__init__(gain, classes, deployment, seed)
-        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
-            raise ConfigError(f"{self.name}: k must be an integer >= 1 (or unset for K = M), got {k!r}")
-        self.k = None if k is None else int(k)
+        self.k = None if k is None else validate.integer(self.name, "k", k)   # None: K = M
         self.eta = resolve_eta(eta, self.classes, self.name)
-        if goodput not in GOODPUTS:
-            raise ConfigError(f"{self.name}: goodput must be one of {', '.join(GOODPUTS)}, got {goodput!r}")
-        self.goodput = goodput
+        self.goodput = validate.one_of(self.name, "goodput", goodput, GOODPUTS)
         self.bound = LengthBound(quantile, history, min_samples, prior_len, where=self.name)
         self.last_decision: KDecision | None = None
 

@@ -41,13 +41,10 @@ counted as dispatched, without progress since (conservative).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from .. import validate
 from ..registry import register_global
-from ..config import check_in_range
-from ..local.base import check_count
-from ..request import ConfigError
 from ..slos_serve_model import (FIT_SPAN, Job, MeanOutputLen, Roofline, admit_dp, check_policy_params,
                                 default_fit_max_time, line_deadline)
 from .base import COLOCATED, DISAGGREGATED, GlobalPolicy
@@ -77,18 +74,18 @@ class SLOsServeRouting(GlobalPolicy):
                  decode_cost: str = "model", fit_max_time: float | None = None, roofline_pieces: int = 2,
                  output_len_prior: float = 266.0, kv_reserve: float = 0.01):
         super().__init__(gain, classes, deployment, seed)
+        n = self.name
         if max_hops is not None:
-            check_count(self.name, max_hops=max_hops)
-        if backup not in BACKUPS:
-            raise ConfigError(f"{self.name}: backup must be one of {', '.join(BACKUPS)}, got {backup!r}")
+            max_hops = validate.integer(n, "max_hops", max_hops)
+        validate.one_of(n, "backup", backup, BACKUPS)
         if batch_time is not None:
-            batch_time = check_in_range(self.name, "batch_time", batch_time, 0, math.inf, True, True)
-        output_len_prior = check_policy_params(self.name, decode_cost, roofline_pieces, output_len_prior)
+            batch_time = validate.positive(n, "batch_time", batch_time)
+        output_len_prior = check_policy_params(n, decode_cost, roofline_pieces, output_len_prior)
         if fit_max_time is None:
             fit_max_time = default_fit_max_time(self.classes, batch_time)
         else:
-            fit_max_time = check_in_range(self.name, "fit_max_time", fit_max_time, 0, math.inf, True, True)
-        self.kv_reserve = check_in_range(self.name, "kv_reserve", kv_reserve, 0, 1, False, True)
+            fit_max_time = validate.positive(n, "fit_max_time", fit_max_time)
+        self.kv_reserve = validate.number(n, "kv_reserve", kv_reserve, 0, 1, hi_open=True)
         self._o_hat = MeanOutputLen(output_len_prior)
         self._resident: dict[int, dict[str, object]] = {}   # per replica: routed, unfinished requests
         self.max_hops = max_hops
