@@ -2,29 +2,40 @@
 
     python -m sim run    ...   one configuration: table, JSON, optional plots
     python -m sim sweep  ...   request rates × policies × seeds: one table, one plot
+    python -m sim plan   ...   capacity planning: the cheapest deployment meeting per-class
+                               targets at a rate, or the highest rate a deployment sustains
     python -m sim policies     list the local and global policies by name
 
-Run ``python -m sim run --help`` / ``python -m sim sweep --help`` for the flags.
+Run ``python -m sim <command> --help`` for the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from scheduler import registry
-from scheduler.config import classes_from_dicts, parse_key_values
-from scheduler.request import ConfigError
+from scheduler.config import classes_from_dicts, default_classes, parse_key_values
+from scheduler.request import ConfigError, PriorityClass
 from scheduler.tdg import GainConfig
 
 from .cluster import DEPLOYMENTS, SimConfig, simulate
-from .report import ROW_FIELDS, format_table, metrics_dict, plot_sweep, plot_timeline, request_records, write_json
+from .report import (
+    ROW_FIELDS,
+    format_table,
+    metrics_dict,
+    plot_sweep,
+    plot_timeline,
+    request_records,
+    write_json,
+)
 
 BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "bench" / "data" / "azure_conv_2023.csv"
 
@@ -45,6 +56,15 @@ class RunSpec:
     w_d: float = 1.0
     deadline: str = "fixed"
     sim: SimConfig = field(default_factory=SimConfig)
+    # length shaping as bench.loadgen does it for a real engine (identity by default)
+    prompt_div: float = 1.0
+    output_div: float = 1.0
+    max_prompt: int | None = None
+    max_model_len: int | None = None
+
+    @property
+    def shaped(self) -> bool:
+        return self.prompt_div != 1.0 or self.output_div != 1.0 or self.max_prompt is not None
 
 
 def _load_model(path: str | None):
@@ -53,11 +73,21 @@ def _load_model(path: str | None):
 
 
 def _workload(spec: RunSpec):
+    if spec.shaped:
+        # the load generator's pipeline (bench.loadgen.workload.make_workload), so that a
+        # simulated workload is the one bench.loadgen sends to a real cluster
+        from bench.loadgen.workload import make_workload
+        if spec.shares:
+            raise ConfigError("--shares cannot be combined with --prompt-div/--output-div/--max-prompt "
+                              "(the load generator tags classes 50/50)")
+        return make_workload(spec.trace, spec.rate, spec.num_requests, spec.seed, spec.classes,
+                             spec.trace_format, spec.prompt_div, spec.output_div, spec.max_prompt,
+                             spec.max_model_len)
     from bench.workloads import build_workload
     source = str(BUNDLED_TRACE) if spec.trace == "azure" else spec.trace
     fmt = "azure" if spec.trace == "azure" else spec.trace_format
     return build_workload(source, rate=spec.rate, num_requests=spec.num_requests, seed=spec.seed,
-                          classes=spec.classes, shares=spec.shares, fmt=fmt)
+                          classes=spec.classes, shares=spec.shares, fmt=fmt, max_model_len=spec.max_model_len)
 
 
 def _gain(spec: RunSpec, reqs) -> GainConfig:
@@ -99,7 +129,9 @@ def _floats(s: str, what: str) -> list[float]:
     return vals
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
+    """The flags every simulating command shares; ``deployment=False`` leaves out
+    --deployment/--instances/--prefill-instances/--decode-instances (``plan`` chooses them)."""
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default="azure",
                    help="'azure' (bundled Azure 2023 conversation trace), 'synthetic', or a trace file path")
@@ -109,17 +141,27 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="use the first N requests of the trace (default 2000; 0 = all)")
     w.add_argument("--classes", help="JSON file: list of {name, weight, ttft_slo, tpot_slo} "
                                      "(default: high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s)")
+    w.add_argument("--ttft-slo", type=float, help="TTFT SLO of every class, seconds (overrides --classes)")
+    w.add_argument("--tpot-slo", type=float, help="TPOT SLO of every class, seconds (overrides --classes)")
     w.add_argument("--shares", help="class shares, e.g. high=0.5,low=0.5 (default 50/50)")
+    w.add_argument("--prompt-div", type=float, default=1.0,
+                   help="divide every prompt length by this, as bench.loadgen does for a real engine (default 1)")
+    w.add_argument("--output-div", type=float, default=1.0, help="divide every output length by this (default 1)")
+    w.add_argument("--max-prompt", type=int, help="clip prompt lengths to this many tokens")
+    w.add_argument("--max-model-len", type=int,
+                   help="cut prompt + output to this many tokens (the engine's max_model_len)")
     g = p.add_argument_group("gain (TDG, Eq. 3)")
     g.add_argument("--w-p", type=float, help="first-token weight (default: mean prompt / mean output × w_d, §5.1)")
     g.add_argument("--w-d", type=float, default=1.0, help="decode-token weight (default 1)")
     g.add_argument("--deadline", choices=["fixed", "ttft_anchored"], default="fixed",
                    help="token deadlines: Eq. 3 (fixed) or footnote 2 (ttft_anchored)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--deployment", choices=DEPLOYMENTS, default="colocated")
-    c.add_argument("--instances", type=int, default=1, help="co-located instances (default 1)")
-    c.add_argument("--prefill-instances", type=int, default=4, help="disaggregated prefill instances (default 4)")
-    c.add_argument("--decode-instances", type=int, default=4, help="disaggregated decode instances (default 4)")
+    if deployment:
+        c.add_argument("--deployment", choices=DEPLOYMENTS, default="colocated")
+        c.add_argument("--instances", type=int, default=1, help="co-located instances (default 1)")
+        c.add_argument("--prefill-instances", type=int, default=4,
+                       help="disaggregated prefill instances (default 4)")
+        c.add_argument("--decode-instances", type=int, default=4, help="disaggregated decode instances (default 4)")
     c.add_argument("--latency-model", help="latency-model JSON (default: bundled 7B-class sketch)")
     c.add_argument("--true-latency-model", help="model the simulated hardware follows, if different "
                                                 "from the one the policies estimate with (exercises β)")
@@ -142,20 +184,30 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"--classes {args.classes}: {e}") from None
         classes = classes_from_dicts(items, f"--classes {args.classes}")
+    if args.ttft_slo is not None or args.tpot_slo is not None:
+        for what, v in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo)):
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{what} must be a finite number > 0, got {v!r}")
+        classes = {n: PriorityClass(n, c.weight, args.ttft_slo if args.ttft_slo is not None else c.ttft_slo,
+                                    args.tpot_slo if args.tpot_slo is not None else c.tpot_slo)
+                   for n, c in (classes or default_classes()).items()}
     shares = None
     if args.shares:
         shares = {k: float(v) for k, v in parse_key_values(args.shares.split(","), "--shares").items()}
     true_model = _load_model(args.true_latency_model) if args.true_latency_model else None
     sim = SimConfig(
-        deployment=args.deployment, instances=args.instances, prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances, local_policy=local,
+        deployment=getattr(args, "deployment", "colocated"), instances=getattr(args, "instances", 1),
+        prefill_instances=getattr(args, "prefill_instances", 1),
+        decode_instances=getattr(args, "decode_instances", 1), local_policy=local,
         local_params=parse_key_values(args.local_param, "--local-param"), global_policy=glob,
         global_params=parse_key_values(args.global_param, "--global-param"), noise_cv=args.noise_cv,
         true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
         fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,
                    num_requests=args.num_requests or None, seed=seed, classes=classes, shares=shares,
-                   latency_model=args.latency_model, w_p=args.w_p, w_d=args.w_d, deadline=args.deadline, sim=sim)
+                   latency_model=args.latency_model, w_p=args.w_p, w_d=args.w_d, deadline=args.deadline, sim=sim,
+                   prompt_div=args.prompt_div, output_div=args.output_div, max_prompt=args.max_prompt,
+                   max_model_len=args.max_model_len)
 
 
 def _validate_early(spec: RunSpec) -> None:
@@ -169,6 +221,12 @@ def _validate_early(spec: RunSpec) -> None:
         raise ConfigError(f"request rate must be > 0, got {spec.rate}")
     if spec.num_requests is not None and spec.num_requests < 0:
         raise ConfigError(f"--num-requests must be >= 0, got {spec.num_requests}")
+    for what, v in (("--prompt-div", spec.prompt_div), ("--output-div", spec.output_div)):
+        if not (v > 0 and math.isfinite(v)):
+            raise ConfigError(f"{what} must be a finite number > 0, got {v!r}")
+    for what, v in (("--max-prompt", spec.max_prompt), ("--max-model-len", spec.max_model_len)):
+        if v is not None and v < 2 - (what == "--max-prompt"):
+            raise ConfigError(f"{what} must be >= {2 - (what == '--max-prompt')}, got {v!r}")
 
 
 def cmd_run(args) -> int:
@@ -276,6 +334,60 @@ def _average_seeds(rows: list[dict], series: str) -> list[dict]:
     return out
 
 
+def cmd_plan(args) -> int:
+    from . import plan as pl
+    if (args.rate is None) == (args.deployment is None):
+        raise ConfigError("plan: give exactly one of --rate R (the cheapest deployment at R req/s) "
+                          "or --deployment colocated:N|disagg:P:D (the highest rate it sustains)")
+    seeds = [int(s) for s in _floats(args.seeds, "--seeds")]
+    if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"--seeds: expected distinct non-negative integers, got {args.seeds!r}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    for k in kinds:
+        if k not in DEPLOYMENTS:
+            raise ConfigError(f"--kinds: unknown deployment kind {k!r} (choose from {', '.join(DEPLOYMENTS)})")
+    if not kinds:
+        raise ConfigError("--kinds: empty list")
+    base = _spec_from(args, args.local, args.glob, args.rate, seeds[0])
+    targets = pl.parse_targets(args.target, (base.classes or default_classes()).keys())
+    dep = pl.parse_deployment(args.deployment) if args.deployment else pl.colocated(1)
+    _validate_early(replace(base, sim=dep.apply(base.sim)))
+    if args.rate is None and args.rate_start is not None and not args.rate_start > 0:
+        raise ConfigError(f"--rate-start must be > 0, got {args.rate_start}")
+    if args.plot:
+        from .report import _pyplot
+        try:
+            _pyplot()
+        except RuntimeError as e:
+            raise ConfigError(f"--plot: {e}") from None
+    progress = pl.Progress(enabled=not args.quiet)
+    with pl.Planner(base, run_spec, targets, seeds, args.jobs, progress) as planner:
+        if args.rate is not None:
+            result = planner.cheapest(args.rate, args.max_instances, kinds)
+        else:
+            result = planner.highest_rate(dep, args.rate_start, args.rate_tol)
+    what = (f"cheapest deployment at {args.rate:g} req/s" if args.rate is not None
+            else f"highest rate of {dep}")
+    print(f"# plan: {what}; targets {', '.join(map(str, targets))}; trace={args.trace}, "
+          f"{base.num_requests or 'all'} requests, seeds={seeds}, local={args.local}, global={args.glob}, "
+          f"latency model={args.latency_model or 'bundled'}")
+    print("# a point passes only if every seed meets every target; metrics are the worst seed")
+    table = pl.format_trials(result, targets)
+    summary = pl.describe(result, targets, args.rate, args.max_instances, args.rate_tol)
+    print(table)
+    print(summary)
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "plan.json", {"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                       "targets": [str(t) for t in targets], **result.as_dict()})
+        (out / "table.txt").write_text(table + "\n" + summary + "\n")
+        print(f"wrote {out}/plan.json, table.txt")
+    if args.plot:
+        pl.plot_plan(result, targets, args.plot, title=f"{what}, {args.trace}")
+        print(f"wrote {args.plot}")
+    return 0 if result.answer is not None else 1
+
+
 def cmd_policies(args) -> int:
     print("local policies (--local):")
     for n in registry.local_names():
@@ -285,6 +397,25 @@ def cmd_policies(args) -> int:
         print(f"  {n:18s} {registry.global_policy(n).summary}")
     return 0
 
+
+PLAN_HELP = """Capacity planning on the simulator.
+
+  --rate R               the cheapest deployment meeting every --target at R req/s:
+                         co-located N (galloping 1, 2, 4, ... then bisection; assumes
+                         more instances never hurt) and disaggregated P:D (for each P,
+                         the largest D the cost bound allows, then bisection on D; assumes
+                         more prefill or decode instances never hurt); cost = instances,
+                         a tie goes to co-located
+  --deployment D         the highest rate D sustains (galloping ×2 / ÷2, then bisection
+                         to --rate-tol; assumes a higher rate never helps)
+
+Prints every point tried (deployment, rate, per-class TDG_Ratio and SLO attainment of
+the worst seed, pass/fail, simulation wall time, search step) and the answer; exit
+status 1 if nothing passes. Example:
+
+  python -m sim plan --rate 12 --target high:tdg_ratio>=0.95,slo>=0.9 --seeds 0,1 --plot plan.png
+  python -m sim plan --deployment disagg:1:2 --target high:tdg>=0.95,slo>=0.9
+"""
 
 PAPER_LOCAL = ("slide_batching,vllm_fcfs,weighted_vtc,sarathi_fcfs,sarathi_priority,fairbatching,"
                "edf,sjf,only_deadline,only_density,wo_latency_aware")
@@ -313,6 +444,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-plot", action="store_true", help="skip the PNG")
     _add_common(s)
     s.set_defaults(func=cmd_sweep)
+    pn = sub.add_parser(
+        "plan", help="capacity planning: cheapest deployment at a rate, or highest rate of a deployment",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=PLAN_HELP)
+    mode = pn.add_argument_group("what to find (exactly one)")
+    mode.add_argument("--rate", type=float,
+                      help="find the cheapest deployment (fewest instances: co-located N or disaggregated "
+                           "P:D) that meets every target at this request rate, req/s")
+    mode.add_argument("--deployment", metavar="colocated:N|disagg:P:D",
+                      help="find the highest request rate this deployment sustains")
+    pn.add_argument("--target", action="append", metavar="CLASS:METRIC>=V[,...]",
+                    help="per-class target, repeatable, e.g. high:tdg_ratio>=0.95,slo>=0.9 or all:ttft_p99<=2; "
+                         "CLASS is a class name or 'all'; metrics: tdg_ratio (tdg), slo_attainment (slo), "
+                         "first_token_tdg_ratio (tdg1), ttft_p50/p90/p99, tpot_p50/p90/p99, ...; "
+                         "operators >=, <=, >, <")
+    pn.add_argument("--local", default="slide_batching", help="local batch policy (default slide_batching)")
+    pn.add_argument("--global", dest="glob", default="go_routing", help="global routing policy (default go_routing)")
+    pn.add_argument("--seeds", default="0",
+                    help="comma-separated seeds; a point passes only if every seed passes (default 0)")
+    pn.add_argument("--max-instances", type=int, default=16,
+                    help="--rate: largest N or P+D to try (default 16)")
+    pn.add_argument("--kinds", default="colocated,disaggregated",
+                    help="--rate: deployment kinds to search (default colocated,disaggregated)")
+    pn.add_argument("--rate-start", type=float,
+                    help="--deployment: first rate tried (default: 1 req/s per instance)")
+    pn.add_argument("--rate-tol", type=float, default=0.02,
+                    help="--deployment: stop when (failing - passing rate) / passing rate <= this (default 0.02)")
+    pn.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="parallel simulations: the seeds of a point, then several points of a bisection")
+    pn.add_argument("--plot", metavar="PNG", help="write a plot of every point tried (needs matplotlib)")
+    pn.add_argument("--quiet", action="store_true", help="no progress bar (it is off anyway when stderr is "
+                                                         "not a terminal)")
+    _add_common(pn, deployment=False)
+    pn.set_defaults(func=cmd_plan)
     p = sub.add_parser("policies", help="list policy names")
     p.set_defaults(func=cmd_policies)
     return ap
