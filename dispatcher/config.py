@@ -60,7 +60,6 @@ Every error names the file and the entry (``cluster.toml: prefill[1].url: ...``)
 from __future__ import annotations
 
 import json
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -68,6 +67,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
+from scheduler import validate
 from scheduler.config import classes_from_dicts, default_classes
 from scheduler.request import ConfigError, PriorityClass
 from scheduler.routing.base import COLOCATED, DEPLOYMENTS, DISAGGREGATED
@@ -133,9 +133,7 @@ class DispatcherConfig:
     seed: int = 0
 
     def validate(self, where: str = "config") -> None:
-        if self.deployment not in DEPLOYMENTS:
-            raise ConfigError(f"{where}: dispatcher.deployment must be one of {', '.join(DEPLOYMENTS)}, "
-                              f"got {self.deployment!r}")
+        validate.one_of(where, "dispatcher.deployment", self.deployment, DEPLOYMENTS)
         if not self.prefill:
             raise ConfigError(f"{where}: no prefill instances (add [[prefill]] url = ... or --prefill URL)")
         if self.deployment == DISAGGREGATED and not self.decode:
@@ -144,25 +142,18 @@ class DispatcherConfig:
                               f"for whole requests on one instance set deployment = \"colocated\"")
         if self.deployment == COLOCATED and self.decode:
             raise ConfigError(f"{where}: deployment \"colocated\" takes no decode instances")
-        if not (0 < self.port < 65536):
-            raise ConfigError(f"{where}: dispatcher.port must be in 1..65535, got {self.port!r}")
+        validate.integer(where, "dispatcher.port", self.port, 1, 65535)
         for k in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "request_timeout_s",
                   "stream_idle_timeout_s", "max_body_mb", "header_timeout_s", "body_timeout_s",
                   "shutdown_timeout_s"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{where}: dispatcher.{k} must be a number > 0, got {v!r}")
+            validate.positive(where, f"dispatcher.{k}", getattr(self, k))
         for k in ("health_failures", "max_concurrent", "max_concurrent_per_key", "stream_queue_events"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{where}: dispatcher.{k} must be an integer >= 1, got {v!r}")
-        if self.worker_api_key_file is not None and (not isinstance(self.worker_api_key_file, str)
-                                                     or not self.worker_api_key_file):
-            raise ConfigError(f"{where}: dispatcher.worker_api_key_file must be a file path, "
-                              f"got {self.worker_api_key_file!r}")
-        if self.default_class is not None and self.default_class not in self.classes:
-            raise ConfigError(f"{where}: dispatcher.default_class {self.default_class!r} is not a class "
-                              f"({', '.join(self.classes)})")
+            validate.integer(where, f"dispatcher.{k}", getattr(self, k))
+        v = self.worker_api_key_file
+        if v is not None and (not isinstance(v, str) or not v):
+            validate.fail(where, "dispatcher.worker_api_key_file", "a file path", v)
+        if self.default_class is not None:
+            validate.one_of(where, "dispatcher.default_class", self.default_class, self.classes)
         seen: set[str] = set()
         for kind, specs in (("prefill", self.prefill), ("decode", self.decode)):
             for i, s in enumerate(specs):
@@ -333,13 +324,12 @@ def load_config(path: str | Path) -> DispatcherConfig:
 
 
 # -- API keys -----------------------------------------------------------------------------
-def _range(v: Any, where: str) -> tuple[float, float]:
-    if (not isinstance(v, list) or len(v) != 2
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
-        raise ConfigError(f"{where}: must be [min, max] in milliseconds, got {v!r}")
-    lo, hi = float(v[0]), float(v[1])
-    if not (0 < lo <= hi <= MAX_SLO_MS):
-        raise ConfigError(f"{where}: need 0 < min <= max <= {MAX_SLO_MS:g}, got {v!r}")
+def _range(v: Any, where: str, name: str) -> tuple[float, float]:
+    """``[min, max]`` milliseconds with 0 < min <= max <= MAX_SLO_MS."""
+    if not isinstance(v, list) or len(v) != 2:
+        validate.fail(where, name, "[min, max] in milliseconds", v)
+    lo = validate.number(where, f"{name}[0] (min)", v[0], 0, MAX_SLO_MS, lo_open=True)
+    hi = validate.number(where, f"{name}[1] (max)", v[1], lo, MAX_SLO_MS)
     return lo, hi
 
 
@@ -360,15 +350,11 @@ def keys_from_dict(data: Mapping, classes: Mapping[str, PriorityClass], where: s
             raise ConfigError(f"{w}.key: must be a string of at least 8 characters")
         if key in out:
             raise ConfigError(f"{w}.key: duplicate key (client {out[key].client!r} has it too)")
-        client = k.get("client")
-        if not isinstance(client, str) or not client:
-            raise ConfigError(f"{w}.client: must be a non-empty string")
-        cls = k.get("class")
-        if cls not in classes:
-            raise ConfigError(f"{w}.class: unknown class {cls!r}; configured: {', '.join(classes)}")
+        client = validate.text(where, f"keys[{i}].client", k.get("client"))
+        cls = validate.one_of(where, f"keys[{i}].class", k.get("class"), classes)
         out[key] = KeyEntry(key, client, cls,
-                            _range(k["ttft_ms"], f"{w}.ttft_ms") if "ttft_ms" in k else None,
-                            _range(k["tpot_ms"], f"{w}.tpot_ms") if "tpot_ms" in k else None)
+                            _range(k["ttft_ms"], where, f"keys[{i}].ttft_ms") if "ttft_ms" in k else None,
+                            _range(k["tpot_ms"], where, f"keys[{i}].tpot_ms") if "tpot_ms" in k else None)
     return out
 
 

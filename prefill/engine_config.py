@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from scheduler import registry
+from scheduler import registry, validate
 from scheduler.config import classes_from_dicts, default_classes
 from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
 from scheduler.local.base import MODES, PREFILL_ONLY, LocalPolicy
@@ -57,12 +57,12 @@ class EngineConfig:
             raise ConfigError(f"additional_config.proserve: unknown key(s) {', '.join(bad)}; "
                               f"known: {', '.join(sorted(known))}")
         cfg = cls(**d)
-        if cfg.mode not in MODES:
-            raise ConfigError(f"additional_config.proserve.mode must be one of {', '.join(MODES)}, got {cfg.mode!r}")
+        where = "additional_config.proserve"
+        validate.one_of(where, "mode", cfg.mode, MODES)
         if cfg.local_policy != STOCK:
             registry.local_policy(cfg.local_policy)  # raises ConfigError listing the names
         if not isinstance(cfg.policy_params, dict):
-            raise ConfigError("additional_config.proserve.policy_params must be an object")
+            validate.fail(where, "policy_params", "an object", cfg.policy_params)
         return cfg
 
 
@@ -84,9 +84,7 @@ def build(cfg: EngineConfig, model: LatencyModel | None = None) -> Parts:
     """The objects the plugin runs; bad values raise ConfigError naming them."""
     where = "additional_config.proserve"
     classes = classes_from_dicts(cfg.classes, f"{where}.classes") if cfg.classes else default_classes()
-    default = cfg.default_class or default_class_of(classes)
-    if default not in classes:
-        raise ConfigError(f"{where}.default_class {default!r} is not a configured class ({', '.join(classes)})")
+    default = validate.one_of(where, "default_class", cfg.default_class or default_class_of(classes), classes)
     est = Estimator(model or load_model(cfg.latency_model), OnlineCorrector(cfg.theta, cfg.window_s))
     gain = GainConfig(w_p=cfg.w_p, w_d=cfg.w_d, deadline=cfg.deadline)
     policy = None if cfg.local_policy == STOCK else registry.make_local(

@@ -28,11 +28,11 @@ scheduler plugin when the request arrives.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from scheduler import validate
 from scheduler.config import classes_from_dicts, default_classes
 from scheduler.request import ConfigError, PriorityClass
 
@@ -57,18 +57,18 @@ class RequestParams:
 
 
 def _number(key: str, v: Any, positive: bool = True) -> float:
-    if isinstance(v, bool):
-        raise ParamsError(f"vllm_xargs.{key} must be a number, got {v!r}")
-    if not isinstance(v, (int, float)):
+    """``vllm_xargs.<key>`` as a finite float (> 0 if ``positive``); a bad value raises
+    :class:`ParamsError`, which the API server answers with HTTP 400."""
+    if isinstance(v, str):
         # the OpenAI server passes vllm_xargs values through as JSON types; accept numeric strings too
         try:
             v = float(v)
-        except (TypeError, ValueError):
-            raise ParamsError(f"vllm_xargs.{key} must be a number, got {v!r}") from None
-    v = float(v)
-    if not math.isfinite(v) or (positive and v <= 0):
-        raise ParamsError(f"vllm_xargs.{key} must be a {'positive ' if positive else ''}finite number, got {v!r}")
-    return v
+        except ValueError:
+            pass   # not a number: the check below names it
+    name = f"vllm_xargs.{key}"
+    if positive:
+        return validate.positive("", name, v, error=ParamsError)
+    return validate.number("", name, v, error=ParamsError)
 
 
 def parse(extra_args: Mapping[str, Any] | None, classes: Mapping[str, PriorityClass],
@@ -76,9 +76,7 @@ def parse(extra_args: Mapping[str, Any] | None, classes: Mapping[str, PriorityCl
     """Resolve a request's class, weight and SLOs; raise :class:`ParamsError` naming the bad field."""
     xa = extra_args or {}
     name = xa.get("priority_class", default_class)
-    if not isinstance(name, str) or name not in classes:
-        raise ParamsError(f"vllm_xargs.priority_class: unknown class {name!r}; "
-                          f"configured classes: {', '.join(sorted(classes))}")
+    validate.one_of("", "vllm_xargs.priority_class", name, sorted(classes), error=ParamsError)
     pc = classes[name]
     weight = _number("weight", xa["weight"]) if "weight" in xa else pc.weight
     ttft = _number("ttft_slo", xa["ttft_slo"]) if "ttft_slo" in xa else pc.ttft_slo

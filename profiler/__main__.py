@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scheduler import validate
 from scheduler.request import ConfigError
 
 from . import grid as gridmod
@@ -87,22 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(ap: argparse.ArgumentParser, args) -> list[gridmod.Point] | None:
     """Validate the flags before any engine starts; exits with a usage error naming the flag."""
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.retries < 0:
-        ap.error(f"--retries must be >= 0, got {args.retries}")
-    if not 0 < args.holdout < 1:
-        ap.error(f"--holdout must be in (0, 1), got {args.holdout}")
+    try:
+        validate.integer("", "--repeats", args.repeats)
+        validate.integer("", "--retries", args.retries, 0)
+        validate.number("", "--holdout", args.holdout, 0, 1, lo_open=True, hi_open=True)
+        if not args.from_samples:
+            validate.integer("", "--block-size", args.block_size)
+            validate.integer("", "--max-model-len", args.max_model_len)
+            validate.integer("", "--kv-cache-gib", args.kv_cache_gib)
+    except ConfigError as e:
+        ap.error(str(e))
     if args.from_samples:
         return None
-    if args.block_size < 1:
-        ap.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.device == "cpu" and args.block_size % 32:
         ap.error(f"--block-size {args.block_size}: the vLLM CPU backend needs a multiple of 32")
-    if args.max_model_len < 1:
-        ap.error(f"--max-model-len must be >= 1, got {args.max_model_len}")
-    if args.kv_cache_gib < 1:
-        ap.error(f"--kv-cache-gib must be >= 1, got {args.kv_cache_gib}")
     model = Path(args.model)
     if (model.is_absolute() or str(args.model).startswith(".")) and not model.exists():
         ap.error(f"--model {args.model}: no such directory")

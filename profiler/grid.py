@@ -33,6 +33,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from scheduler import validate as check  # this module has a validate() of its own
+
 KINDS = ("prefill", "decode", "mixed")
 BUILTIN = ("quick", "full")
 BASE_LEN = 2048           # the built-in grids are written for this context length
@@ -99,23 +101,23 @@ def validate(points: list[Point], max_model_len: int, block_size: int) -> None:
         if p.id in seen:
             raise GridError(f"grid point {p.id}: duplicate id")
         seen.add(p.id)
-        if p.kind not in KINDS:
-            raise GridError(f"grid point {p.id}: kind must be one of {', '.join(KINDS)}, got {p.kind!r}")
+        check.one_of(f"grid point {p.id}", "kind", p.kind, KINDS, error=GridError)
+        where = f"grid point {p.id} ({p.describe()})"
         for q, k in p.prefills:
-            if q < 1 or k < 0:
-                raise GridError(f"grid point {p.id} ({p.describe()}): need l_q >= 1 and l_kv >= 0, got ({q}, {k})")
+            check.integer(where, "l_q", q, error=GridError)
+            check.integer(where, "l_kv", k, 0, error=GridError)
             if k % block_size:
                 raise GridError(f"grid point {p.id} ({p.describe()}): l_kv={k} is not a multiple of the block "
                                 f"size {block_size} (the prefix cache only reuses whole blocks)")
         if p.kind in ("prefill", "mixed") and not p.prefills:
             raise GridError(f"grid point {p.id}: a {p.kind} point needs prefills")
         if p.kind in ("decode", "mixed"):
-            if p.batch < 1 or p.prompt < 1:
-                raise GridError(f"grid point {p.id} ({p.describe()}): need batch >= 1 and prompt >= 1")
-            if p.kind == "decode" and p.tokens < 2:
-                raise GridError(f"grid point {p.id} ({p.describe()}): need tokens >= 2 to get a decode step")
-            if p.kind == "mixed" and p.tokens <= MIXED_AFTER + 2:
-                raise GridError(f"grid point {p.id} ({p.describe()}): need tokens > {MIXED_AFTER + 2}")
+            check.integer(where, "batch", p.batch, error=GridError)
+            check.integer(where, "prompt", p.prompt, error=GridError)
+            # a decode point needs 2 tokens to get one decode step; a mixed point's prefills
+            # arrive once its requests hold MIXED_AFTER tokens, and it needs more than MIXED_AFTER + 2
+            low = 2 if p.kind == "decode" else MIXED_AFTER + 3
+            check.integer(where, "tokens", p.tokens, low, error=GridError)
         if p.kind == "decode" and p.prefills:
             raise GridError(f"grid point {p.id}: a decode point has no prefills")
         if p.max_request_len > max_model_len:
@@ -154,10 +156,8 @@ def build(name: str, max_model_len: int = BASE_LEN, block_size: int = 128, seed:
     """A built-in grid scaled to ``max_model_len`` (``quick`` or ``full``), or a grid file."""
     if name not in BUILTIN:
         return load(name, max_model_len, block_size)
-    if max_model_len < 256:
-        raise GridError(f"the built-in grids need --max-model-len >= 256, got {max_model_len}")
-    if block_size < 1:
-        raise GridError(f"block size must be >= 1, got {block_size}")
+    check.integer("the built-in grids", "--max-model-len", max_model_len, 256, error=GridError)
+    check.integer("", "block size", block_size, error=GridError)
     spec = _FULL if name == "full" else _QUICK
     s = max_model_len / BASE_LEN
 
@@ -245,7 +245,7 @@ def _pairs(batch) -> tuple[tuple[int, int], ...]:
     for pair in batch:
         q, k = pair
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (q, k)):
-            raise ValueError(f"(l_q, l_kv) must be integers, got {pair!r}")
+            check.fail("", "(l_q, l_kv)", "a pair of integers", pair, error=ValueError)
         out.append((q, k))
     return tuple(out)
 

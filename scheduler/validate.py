@@ -54,13 +54,18 @@ def _as_float(v: Any) -> float:
     return math.nan
 
 
+def _bound(x: float) -> str:
+    """A bound as people write it: whole numbers in full (3600000, not 3.6e+06), others as ``:g``."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
 def _interval(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool, noun: str) -> str:
     if lo is not None and hi is not None:
-        return f"{noun} in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"{noun} in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}{')' if hi_open else ']'}"
     if lo is not None:
-        return f"{noun} {'>' if lo_open else '>='} {lo:g}"
+        return f"{noun} {'>' if lo_open else '>='} {_bound(lo)}"
     if hi is not None:
-        return f"{noun} {'<' if hi_open else '<='} {hi:g}"
+        return f"{noun} {'<' if hi_open else '<='} {_bound(hi)}"
     return noun
 
 

@@ -357,9 +357,10 @@ def test_keys_file_errors():
     assert keys_from_dict(KEYS, classes)["sk-high-000001"].ttft_ms == (100.0, 10000.0)
     for data, msg in [({"keys": []}, "non-empty list"),
                       ({"keys": [{"key": "short", "client": "a", "class": "high"}]}, "at least 8"),
-                      ({"keys": [{"key": "sk-12345678", "client": "a", "class": "gold"}]}, "unknown class 'gold'"),
+                      ({"keys": [{"key": "sk-12345678", "client": "a", "class": "gold"}]},
+                       "keys[0].class must be one of high, low, got 'gold'"),
                       ({"keys": [{"key": "sk-12345678", "client": "a", "class": "low", "ttft_ms": [5, 1]}]},
-                       "keys[0].ttft_ms"),
+                       "keys[0].ttft_ms[1] (max) must be a number in [5, 3600000], got 1"),
                       ({"keys": [{"key": "sk-12345678", "client": "a", "class": "low"},
                                  {"key": "sk-12345678", "client": "b", "class": "low"}]}, "duplicate key")]:
         with pytest.raises(ConfigError) as e:

@@ -49,9 +49,9 @@ def steps(w) -> list[dict]:
 
 
 @pytest.mark.parametrize("xargs, msg", [
-    ({"priority_class": "platinum"}, "vllm_xargs.priority_class: unknown class 'platinum'"),
-    ({"priority_class": "high", "ttft_slo": -0.5}, "vllm_xargs.ttft_slo must be a positive"),
-    ({"tpot_slo": "soon"}, "vllm_xargs.tpot_slo must be a number"),
+    ({"priority_class": "platinum"}, "vllm_xargs.priority_class must be one of high, low, got 'platinum'"),
+    ({"priority_class": "high", "ttft_slo": -0.5}, "vllm_xargs.ttft_slo must be a number > 0, got -0.5"),
+    ({"tpot_slo": "soon"}, "vllm_xargs.tpot_slo must be a number > 0, got 'soon'"),
 ])
 def test_bad_params_are_rejected_before_queueing(worker, xargs, msg):
     before = len(steps(worker))

@@ -246,7 +246,7 @@ class Fake:
         mode = body.get("vllm_xargs", {}).get("mode", "ok")
         n = body["max_tokens"]
         if mode == "reject":
-            return web.json_response({"error": {"message": "vllm_xargs.ttft_slo must be positive",
+            return web.json_response({"error": {"message": "vllm_xargs.ttft_slo must be a number > 0, got -1",
                                                 "code": 400}}, status=400)
         if mode == "hang":
             await asyncio.sleep(5)

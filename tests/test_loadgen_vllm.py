@@ -96,7 +96,7 @@ def test_loadgen_counts_engine_rejections_per_class(worker):
     for r in run.results:
         if r.priority == "low":
             # streamed, vLLM answers 200 and sends the 400 as an error event
-            assert r.token_times == [] and "vllm_xargs.ttft_slo must be a positive" in r.error, r.error
+            assert r.token_times == [] and "vllm_xargs.ttft_slo must be a number > 0" in r.error, r.error
             assert r.status == 400 or (r.status == 200 and r.error.startswith("error event: (400)")), r.error
         else:
             assert r.ok, r.error

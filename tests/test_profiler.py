@@ -83,10 +83,14 @@ def test_grid_file_loads_and_rejects_points_that_cannot_run(tmp_path):
         G.build(str(tmp_path / "grid.json"), 2048, 128)
     with pytest.raises(G.GridError, match="not 'quick', 'full' or a readable grid file"):
         G.build(str(tmp_path / "nope.json"), 2048, 128)
-    with pytest.raises(G.GridError, match="must be integers"):
+    with pytest.raises(G.GridError, match=r"\(l_q, l_kv\) must be a pair of integers, got \[1.5, 0\]"):
         G.build(_grid_file(tmp_path, {"prefill": [[[1.5, 0]]]}), 2048, 128)
     with pytest.raises(G.GridError, match="keys among"):
         G.build(_grid_file(tmp_path, {"prefil": []}), 2048, 128)
+    with pytest.raises(G.GridError, match=r"d00 \(decode 4x100\+1\): tokens must be an integer >= 2, got 1"):
+        G.build(_grid_file(tmp_path, {"decode": [{"batch": 4, "prompt": 100, "tokens": 1}]}), 2048, 128)
+    with pytest.raises(G.GridError, match=r"p00 \(prefill 0\): l_q must be an integer >= 1, got 0"):
+        G.build(_grid_file(tmp_path, {"prefill": [[[0, 0]]]}), 2048, 128)
 
 
 # -- step records -----------------------------------------------------------------------------------
@@ -309,9 +313,9 @@ def test_from_samples_reports_the_bad_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, msg", [
     (["--block-size", "48"], "--block-size 48: the vLLM CPU backend needs a multiple of 32"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--holdout", "1.5"], r"--holdout must be in \(0, 1\)"),
-    (["--max-model-len", "128"], "the built-in grids need --max-model-len >= 256"),
+    (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    (["--holdout", "1.5"], r"--holdout must be a number in \(0, 1\), got 1.5"),
+    (["--max-model-len", "128"], "the built-in grids: --max-model-len must be an integer >= 256, got 128"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
     (["--grid", "/nonexistent/grid.json"], "not 'quick', 'full' or a readable grid file"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),

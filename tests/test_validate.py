@@ -21,6 +21,7 @@ from scheduler.request import ConfigError
     (lambda: validate.number("w", "kv_reserve", 1, 0, 1, hi_open=True),
      "w: kv_reserve must be a number in [0, 1), got 1"),
     (lambda: validate.number("w", "x", 5, hi=3), "w: x must be a number <= 3, got 5"),
+    (lambda: validate.number("w", "ms", 4e6, 0.5, 3_600_000.0), "w: ms must be a number in [0.5, 3600000], got 4000000.0"),
     (lambda: validate.integer("vllm_fcfs", "max_num_seqs", 0),
      "vllm_fcfs: max_num_seqs must be an integer >= 1, got 0"),
     (lambda: validate.integer("w", "window", 1, 2), "w: window must be an integer >= 2, got 1"),

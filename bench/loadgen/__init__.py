@@ -158,7 +158,6 @@ from .workload import (
     BUNDLED_TRACE,
     DEFAULT_TOKEN_LOW,
     DEFAULT_VOCAB,
-    check_fraction,
     make_workload,
     prompt_tokens,
     request_index,
@@ -171,7 +170,7 @@ from .workload import (
 __all__ = [
     "APIS", "ARRIVAL_MODES", "BUNDLED_TRACE", "DEFAULT_TOKEN_LOW", "DEFAULT_VOCAB",
     "PLOT_FILES", "STALL_S", "TABLE_COLUMNS", "Chunk", "ClientConfig", "Progress", "Result",
-    "Run", "SSEParser", "add_workload_args", "api_url", "build_parser", "check_fraction",
+    "Run", "SSEParser", "add_workload_args", "api_url", "build_parser",
     "clean_json", "client_config", "deep_merge", "error_counts", "fetch_model",
     "format_summary", "have_matplotlib", "load_classes", "load_records", "main",
     "make_workload", "parse_chunk", "parse_class_keys", "parse_response", "prompt_tokens",

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from dispatcher.config import read_file
+from scheduler import validate
 from scheduler.request import ConfigError, Request
 
-from .workload import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB, check_fraction
+from .workload import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB
 
 APIS = ("vllm", "proserve")
 
@@ -59,9 +60,8 @@ class ClientConfig:
 
     def check(self, classes: Iterable[str]) -> None:
         """Raise :class:`ConfigError` for settings that cannot work with a workload of these classes."""
-        if self.api not in APIS:
-            raise ConfigError(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
-        check_fraction(self.stream_fraction, "--stream-fraction")
+        validate.one_of("", "--api", self.api, APIS)
+        validate.fraction("", "--stream-fraction", self.stream_fraction)
         if self.api != "proserve":
             if self.class_keys:
                 raise ConfigError("--class-key/--keys apply only to --api proserve (a vLLM server takes "

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 from pathlib import Path
 
+from scheduler import validate
 from scheduler.config import classes_from_dicts, default_classes
 from scheduler.request import ConfigError, PriorityClass, Request
 
@@ -30,7 +30,6 @@ from .workload import (
     ARRIVAL_MODES,
     DEFAULT_TOKEN_LOW,
     DEFAULT_VOCAB,
-    check_fraction,
     make_workload,
     workload_gain,
 )
@@ -159,9 +158,8 @@ def client_config(args) -> ClientConfig:
     body = _json_arg(args.body, "--body") if args.body else {}
     if not isinstance(body, dict):
         raise ConfigError("--body must be a JSON object")
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
-    check_fraction(args.stream_fraction, "--stream-fraction")
+    validate.positive("", "--timeout", args.timeout)
+    validate.fraction("", "--stream-fraction", args.stream_fraction)
     return ClientConfig(base_url=args.url, model=args.model, api_key=args.api_key, vocab=args.vocab,
                         token_low=args.token_low, seed=args.seed, send_xargs=not args.no_xargs,
                         return_token_ids=not args.no_token_ids, body=body, class_body=class_body,
@@ -208,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             return _rescore(args, plots)
         if not args.url:
             raise ConfigError("--url is required (or --from-records PATH to re-score a run)")
-        if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
-            raise ConfigError(f"--rate must be a number > 0 (req/s), got {args.rate}")
+        if args.rate is not None:
+            validate.positive("", "--rate", args.rate)
         cfg = client_config(args)
         reqs = workload_from_args(args, args.rate)
         known = {r.priority for r in reqs} | set(load_classes(args.classes))

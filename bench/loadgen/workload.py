@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from scheduler import validate
 from scheduler.request import ConfigError, PriorityClass, Request
 from scheduler.tdg import GainConfig
 
@@ -33,11 +34,10 @@ def shape_lengths(records: Sequence[TraceRecord], prompt_div: float = 1.0, outpu
     """Scale a trace's token counts to an engine: ``prompt / prompt_div`` and
     ``output / output_div`` (rounded, at least 1), prompts clipped to
     ``max_prompt``. Arrivals are untouched. Identity with the defaults."""
-    for name, v in (("prompt_div", prompt_div), ("output_div", output_div)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"shape_lengths: {name} must be a finite number > 0, got {v!r}")
-    if max_prompt is not None and (not isinstance(max_prompt, int) or max_prompt < 1):
-        raise ConfigError(f"shape_lengths: max_prompt must be a positive integer, got {max_prompt!r}")
+    validate.positive("shape_lengths", "prompt_div", prompt_div)
+    validate.positive("shape_lengths", "output_div", output_div)
+    if max_prompt is not None:
+        validate.integer("shape_lengths", "max_prompt", max_prompt)
     out = []
     for r in records:
         p = max(1, int(round(r.prompt_len / prompt_div)))
@@ -63,8 +63,7 @@ def make_workload(trace: str = "azure", rate: float | None = None, num_requests:
     and lengths. The priorities depend only on ``seed`` and the request's
     position, not on the rate or the arrivals.
     """
-    if arrivals not in ARRIVAL_MODES:
-        raise ConfigError(f"arrivals must be one of {', '.join(ARRIVAL_MODES)}, got {arrivals!r}")
+    validate.one_of("", "arrivals", arrivals, ARRIVAL_MODES)
     if arrivals == "poisson" and rate is None:
         raise ConfigError("--arrivals poisson needs --rate (the mean arrival rate, req/s)")
     if trace == "synthetic":
@@ -100,8 +99,8 @@ def send_offsets(reqs: Sequence[Request]) -> list[float]:
 def prompt_tokens(seed: int, index: int, length: int, vocab: int = DEFAULT_VOCAB,
                   low: int = DEFAULT_TOKEN_LOW) -> list[int]:
     """``length`` random token ids in ``[low, vocab)``, a function of (seed, index) only."""
-    if not 0 <= low < vocab:
-        raise ConfigError(f"prompt tokens: need 0 <= token_low < vocab, got {low} and {vocab}")
+    validate.integer("prompt tokens", "vocab", vocab)
+    validate.integer("prompt tokens", "token_low", low, 0, vocab - 1)   # below vocab
     rng = np.random.default_rng([int(seed), _SALT_PROMPT, int(index)])
     return rng.integers(low, vocab, size=int(length)).tolist()
 
@@ -109,7 +108,7 @@ def prompt_tokens(seed: int, index: int, length: int, vocab: int = DEFAULT_VOCAB
 def stream_flags(n: int, fraction: float = 1.0, seed: int = 0) -> list[bool]:
     """Which of ``n`` requests are streamed: exactly ``round(fraction · n)`` of
     them, chosen by a seeded permutation (a function of ``seed`` and ``n`` only)."""
-    check_fraction(fraction, "stream_fraction")
+    validate.fraction("", "stream_fraction", fraction)
     k = int(math.floor(fraction * n + 0.5))
     if k >= n:
         return [True] * n
@@ -117,12 +116,6 @@ def stream_flags(n: int, fraction: float = 1.0, seed: int = 0) -> list[bool]:
     for i in np.random.default_rng([int(seed), _SALT_STREAM]).permutation(n)[:k]:
         flags[int(i)] = True
     return flags
-
-
-def check_fraction(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:
-        raise ConfigError(f"{name} must be a number in [0, 1], got {v!r}")
-    return float(v)
 
 
 def request_index(req: Request, default: int) -> int:
