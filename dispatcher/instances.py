@@ -12,9 +12,11 @@ worker's:
   not dead: result ``timeout_progressing``). A 401 means the workers demand a
   key the dispatcher does not have right (``worker_api_key_file``): logged as
   an error, the worker is out at once;
-* ``/metrics``, a stats scrape only: a prefill worker's ``proserve:beta`` (its
-  online correction, §4.1) scales the dispatcher's copy of its latency model,
-  so GoRouting's estimates (Alg. 2) follow the engine's measured speed; a
+* ``/metrics``, a stats scrape only: a prefill worker's ``proserve:beta`` and
+  ``proserve:step_offset_seconds`` (its online correction, §4.1: a step takes
+  β·T_pd + δ; :func:`correction_of`) correct the dispatcher's copy of its
+  latency model, so GoRouting's estimates (Alg. 2) follow the engine's
+  measured speed; a
   decode worker's free KV blocks (``decode.status``) feed the decode pick
   (Alg. 2 line 20; between scrapes the dispatcher subtracts the blocks of each
   request it sends there, so a burst does not all land on one worker). A slow
@@ -54,6 +56,7 @@ from .config import WORKER_KEY_ENV, DispatcherConfig, PrefillSpec
 logger = logging.getLogger("proserve.dispatcher")
 
 _BETA = re.compile(r'^proserve:beta(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$', re.M)
+_DELTA = re.compile(r'^proserve:step_offset_seconds(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$', re.MULTILINE)
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
 #: a /metrics page larger than this is refused (vLLM's is a few hundred kB)
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
@@ -120,12 +123,35 @@ class PrefillWorker(Worker):
     def beta(self) -> float:
         return self.state.estimator.beta
 
+    @property
+    def delta(self) -> float:
+        return self.state.estimator.delta
+
 
 @dataclass
 class DecodeWorker(Worker):
     kv_addr: str = ""
     state: DecodeInstance | None = None
     block_size: int = 16
+
+
+def correction_of(text: str) -> tuple[float, float] | None:
+    """The online correction (β, δ) a prefill worker's /metrics page reports, or None if it
+    reports none (a worker without the scheduler plugin). A worker that reports β alone
+    (the paper's scale-only correction, or an older worker) has δ = 0. A value that is
+    not a finite number, or a β that is not > 0, is a bad answer (ValueError); the caller
+    clamps the rest to its estimator's bounds (:meth:`Estimator.adopt`)."""
+    m = _BETA.search(text)
+    if m is None:
+        return None
+    beta = float(m.group(1))          # the pattern admits only digits, '.', 'e', signs
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"proserve:beta {m.group(1)!r} is not a number > 0")
+    m = _DELTA.search(text)
+    delta = float(m.group(1)) if m else 0.0
+    if not math.isfinite(delta):
+        raise ValueError(f"proserve:step_offset_seconds {m.group(1)!r} is not a finite number")
+    return beta, delta
 
 
 def _estimator(spec: PrefillSpec) -> Estimator:
@@ -230,10 +256,9 @@ class Registry:
                     raise _ScrapeError("bad_status", f"HTTP {r.status}")
                 text = (await read_capped(r, _MAX_METRICS_BYTES)).decode("utf-8", "replace")
             if isinstance(w, PrefillWorker):
-                m = _BETA.search(text)
-                beta = float(m.group(1)) if m else None
-                if beta is not None and math.isfinite(beta) and beta > 0:
-                    w.state.estimator.adopt(beta)
+                corr = correction_of(text)
+                if corr is not None:
+                    w.state.estimator.adopt(*corr)
             elif isinstance(w, DecodeWorker):
                 free = free_kv_blocks(text)
                 m = _BLOCK_SIZE.search(text)
@@ -355,6 +380,7 @@ class Registry:
             if isinstance(w, PrefillWorker):
                 d["queued"] = len(w.state.queue)
                 d["beta"] = round(w.beta, 4)
+                d["step_offset_s"] = round(w.delta, 6)
             elif isinstance(w, DecodeWorker):
                 d["free_kv_blocks"] = w.state.free_blocks
             d["inflight"] = len(w.inflight)

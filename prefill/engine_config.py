@@ -9,7 +9,7 @@ from typing import Mapping
 
 from scheduler import registry, validate
 from scheduler.config import classes_from_dicts, default_classes
-from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
+from scheduler.estimator import SCALE_OFFSET, Estimator, LatencyModel, OnlineCorrector
 from scheduler.local.base import MODES, PREFILL_ONLY, LocalPolicy
 from scheduler.request import ConfigError, PriorityClass
 from scheduler.tdg import GainConfig
@@ -32,6 +32,8 @@ class EngineConfig:
     default_class   class of requests that name none (default: the lowest weight)
     w_p, w_d        TDG token weights (Eq. 3); deadline "fixed" | "ttft_anchored"
     theta, window_s online correction (β) momentum and window
+    correction      "scale_offset" (default: β and a per-step offset δ) or "scale"
+                    (the paper's β alone); see scheduler.estimator.OnlineCorrector
     record_steps    path of a JSONL file that gets one line per step (profiling, benchmarks)
     """
 
@@ -46,6 +48,7 @@ class EngineConfig:
     deadline: str = "fixed"
     theta: float = 0.8
     window_s: float = 1.0
+    correction: str = SCALE_OFFSET
     record_steps: str | None = None
 
     @classmethod
@@ -85,7 +88,8 @@ def build(cfg: EngineConfig, model: LatencyModel | None = None) -> Parts:
     where = "additional_config.proserve"
     classes = classes_from_dicts(cfg.classes, f"{where}.classes") if cfg.classes else default_classes()
     default = validate.one_of(where, "default_class", cfg.default_class or default_class_of(classes), classes)
-    est = Estimator(model or load_model(cfg.latency_model), OnlineCorrector(cfg.theta, cfg.window_s))
+    est = Estimator(model or load_model(cfg.latency_model),
+                    OnlineCorrector(cfg.theta, cfg.window_s, mode=cfg.correction))
     gain = GainConfig(w_p=cfg.w_p, w_d=cfg.w_d, deadline=cfg.deadline)
     policy = None if cfg.local_policy == STOCK else registry.make_local(
         cfg.local_policy, est, gain, classes, **cfg.policy_params)

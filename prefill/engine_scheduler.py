@@ -104,7 +104,7 @@ class ProServeScheduler(Scheduler):
         self.steps = 0
         self._record = open(cfg.record_steps, "a", buffering=1) if cfg.record_steps else None
         from . import sched_metrics
-        self.metrics = sched_metrics.for_policy(cfg.local_policy)
+        self.metrics = sched_metrics.for_policy(cfg.local_policy, self.estimator)
         logger.info("ProServe scheduler: policy=%s mode=%s classes=%s", cfg.local_policy, cfg.mode,
                     ",".join(self.classes))
 

@@ -10,6 +10,9 @@ started some other way) they are still kept, in the engine process's registry.
 metric                                     meaning
 =========================================  =========================================
 ``proserve:beta``                          online correction factor β (§4.1)
+``proserve:step_offset_seconds``           the correction's per-step offset δ (0 under
+                                           the scale-only correction): a step is
+                                           estimated at β·T_pd + δ
 ``proserve:t_budget_seconds``              latency budget of the latest plan (Alg. 1 l.7)
 ``proserve:urgent_requests``               URGENT requests in the latest plan
 ``proserve:normal_requests``               NORMAL requests in the latest plan
@@ -42,6 +45,8 @@ def _families() -> dict:
 
         _FAMILIES = {
             "beta": gauge("proserve:beta", "Online latency-correction factor beta (PROSERVE §4.1)"),
+            "delta": gauge("proserve:step_offset_seconds",
+                           "Per-step offset delta of the online latency correction (beta*T_pd + delta)"),
             "t_budget": gauge("proserve:t_budget_seconds", "Latency budget of the latest batch plan"),
             "urgent": gauge("proserve:urgent_requests", "URGENT requests in the latest batch plan"),
             "normal": gauge("proserve:normal_requests", "NORMAL requests in the latest batch plan"),
@@ -54,17 +59,20 @@ def _families() -> dict:
     return _FAMILIES
 
 
-def for_policy(policy: str) -> "SchedulerMetrics":
-    return SchedulerMetrics(policy)
+def for_policy(policy: str, estimator=None) -> "SchedulerMetrics":
+    return SchedulerMetrics(policy, estimator)
 
 
 class SchedulerMetrics:
-    """The metrics of one engine, labelled with its local policy."""
+    """The metrics of one engine, labelled with its local policy. Given the engine's
+    :class:`~scheduler.estimator.Estimator`, it also reports the correction's offset δ."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, estimator=None):
         for key, family in _families().items():
             setattr(self, key, family.labels(policy=policy))
+        self._estimator = estimator
         self.beta.set(1.0)
+        self.delta.set(0.0)
 
     def plan(self, info, beta: float) -> None:
         if not math.isnan(info.t_budget):
@@ -75,6 +83,8 @@ class SchedulerMetrics:
 
     def step(self, t_real: float, t_est: float, beta: float, sched_s: float) -> None:
         self.beta.set(beta)
+        if self._estimator is not None:
+            self.delta.set(self._estimator.delta)
         self.est.set(t_est)
         self.real.set(t_real)
         self.steps.inc()

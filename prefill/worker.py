@@ -140,6 +140,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     sg.add_argument("--w-p", type=float, default=None, help="TDG weight of the first token (Eq. 3, default 1)")
     sg.add_argument("--w-d", type=float, default=None, help="TDG weight of each later token (default 1)")
     sg.add_argument("--theta", type=float, default=None, help="online correction momentum theta (default 0.8)")
+    sg.add_argument("--correction", choices=["scale_offset", "scale"], default=None,
+                    help="online correction of the latency model: scale_offset (default) fits a step as "
+                         "beta*T_pd + delta, a scale and a fixed cost per step; scale is the paper's beta alone "
+                         "(see docs/results.md section 6)")
     sg.add_argument("--record-steps", default=None, metavar="PATH",
                     help="append one JSON line per engine step (batch, measured and estimated time, beta)")
     sg.add_argument("--scheduler-cls", default=None,
@@ -330,7 +334,7 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
             raise SystemExit(f"error: --default-class {args.default_class!r} is not a class "
                              f"({', '.join(classes)})")
         cfg["default_class"] = args.default_class
-    for k in ("w_p", "w_d", "theta"):
+    for k in ("w_p", "w_d", "theta", "correction"):
         v = getattr(args, k)
         if v is not None:
             cfg[k] = v

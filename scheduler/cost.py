@@ -4,11 +4,17 @@
     T~_d(l_kv)      = a_d·l_kv + b_d                          (Eq. 6, decode step)
     T_pd(B)         = Σ T~_p + Σ T~_d + t_c                   (Eq. 7, one batch)
 
-:class:`StepCosts` holds the six coefficients already multiplied by the online
-correction β (β = 1: the fitted model itself), so that a policy's per-request
-loop reads a cost with one call and no coefficient juggling. Build one per
+:class:`StepCosts` holds the six coefficients with the online correction
+already applied (β = 1, δ = 0: the fitted model itself), so that a policy's
+per-request loop reads a cost with one call and no coefficient juggling. The
+correction is a scale β and a per-step offset δ (a corrected step takes
+β·T_pd + δ, :class:`scheduler.estimator.OnlineCorrector`): every coefficient
+is multiplied by β, and δ joins the per-step constant, t_c' = β·t_c + δ, since
+every formula here charges t_c exactly once per step (Eq. 7; ``decode_run``
+once per step of the run) and nothing else (``exec`` and GETMAXCHUNK price a
+request's share of a step, without t_c). Build one per
 scheduling step with :meth:`scheduler.estimator.Estimator.costs` (cached while
-β is unchanged) or :meth:`StepCosts.of`. Alongside Eq. 5-7 it answers the
+β and δ are unchanged) or :meth:`StepCosts.of`. Alongside Eq. 5-7 it answers the
 derived questions the policies and the simulator ask:
 
 * :meth:`StepCosts.next_work`: ``exec`` of Alg. 1 line 3, the time of a
@@ -33,20 +39,22 @@ import numpy as np
 
 
 class StepCosts:
-    """Eq. 5-7 with every coefficient scaled by ``beta``."""
+    """Eq. 5-7 with every coefficient scaled by ``beta`` and ``delta`` added to the
+    per-step constant: a step's time is ``beta·T_pd + delta``."""
 
-    __slots__ = ("a_d", "a_p", "b_d", "b_p", "beta", "c_p", "t_c")
+    __slots__ = ("a_d", "a_p", "b_d", "b_p", "beta", "c_p", "delta", "t_c")
 
     def __init__(self, a_p: float, b_p: float, c_p: float, a_d: float, b_d: float, t_c: float,
-                 beta: float = 1.0):
+                 beta: float = 1.0, delta: float = 0.0):
         self.a_p, self.b_p, self.c_p = a_p * beta, b_p * beta, c_p * beta
-        self.a_d, self.b_d, self.t_c = a_d * beta, b_d * beta, t_c * beta
-        self.beta = beta
+        self.a_d, self.b_d = a_d * beta, b_d * beta
+        self.t_c = t_c * beta + delta          # δ is a per-step cost: it joins t_c
+        self.beta, self.delta = beta, delta
 
     @classmethod
-    def of(cls, model, beta: float = 1.0) -> StepCosts:
-        """The costs of a :class:`~scheduler.estimator.LatencyModel` at correction ``beta``."""
-        return cls(model.a_p, model.b_p, model.c_p, model.a_d, model.b_d, model.t_c, beta)
+    def of(cls, model, beta: float = 1.0, delta: float = 0.0) -> StepCosts:
+        """The costs of a :class:`~scheduler.estimator.LatencyModel` at correction ``beta``, ``delta``."""
+        return cls(model.a_p, model.b_p, model.c_p, model.a_d, model.b_d, model.t_c, beta, delta)
 
     # -- Eq. 5-7 -------------------------------------------------------------------
     def prefill(self, l_q: int, l_kv: int = 0) -> float:

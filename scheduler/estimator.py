@@ -1,4 +1,4 @@
-"""Batch latency estimator (§4.1, Eq. 4-7) with online correction β.
+"""Batch latency estimator (§4.1, Eq. 4-7) with online correction β (and δ).
 
     T~_p(r) = a_p·l_q² + b_p·l_q·l_kv + c_p·l_q          (Eq. 5, prefill chunk)
     T~_d(r) = a_d·l_kv + b_d                             (Eq. 6, decode step)
@@ -10,13 +10,16 @@ tokens already in the KV cache that they attend to.
 The model is fitted offline from (batch composition, measured time) samples by
 non-negative least squares and serialised as JSON text (file I/O lives outside
 ``scheduler/``: see ``profiler.modelfile``). :class:`Estimator` wraps a model
-with the online correction factor of §4.1::
+with the online correction of §4.1::
 
     β_{i+1} = θ·β_i + (1-θ)·mean_{B in window}( T_real(B) / T_pd(B) )
 
 where ``T_pd`` is the *uncorrected* model estimate, so β converges to the true
 speed ratio instead of compounding (the paper's "T^{i+1} ← β·T^i" read as a
-running product would drift on any bias).
+running product would drift on any bias). By default the correction also has a
+per-step offset δ, fitted with β from the same window (a corrected step takes
+β·T_pd + δ; :class:`OnlineCorrector` says why and how); ``mode="scale"`` keeps
+the paper's β alone.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from . import validate
 from .cost import StepCosts
 from .request import ConfigError
 
@@ -173,51 +177,144 @@ class LatencyModel:
         return cls.from_dict(d, where)
 
 
+#: the two forms of the online correction (``OnlineCorrector(mode=...)``)
+SCALE = "scale"                  # §4.1 as the paper writes it: T = β·T_pd
+SCALE_OFFSET = "scale_offset"    # T = β·T_pd + δ per step, β and δ fitted together
+CORRECTIONS = (SCALE, SCALE_OFFSET)
+
+
 class OnlineCorrector:
-    """β of §4.1: momentum θ over the ratios T_real/T_pd seen in a sliding time window.
+    """The online correction of §4.1 over a sliding time window of measured steps.
+
+    ``mode = "scale"`` is the paper's: one factor β with momentum θ,
+
+        β_{i+1} = θ·β_i + (1-θ)·mean_{B in window}( T_real(B) / T_pd(B) )
+
+    ``mode = "scale_offset"`` (the default) corrects a step to β·T_pd + δ, with
+    δ a fixed cost per step. A slowdown that adds time to every step however
+    small (a CPU quota, a co-scheduled process: the engine waits up to a
+    scheduling quantum per step) is not a multiple of T_pd; one factor then
+    over-corrects small steps and under-corrects large ones (docs/results.md
+    §6). Both are fitted from the same window, by least squares on the relative
+    error (the paper's mean of ratios is this fit with δ = 0): with
+    r = T_real/T_pd and u = n/T_pd (``n`` steps in the measurement),
+
+        r = β + δ·u      regressed over the window -> (β^, δ^),
+        β_{i+1} = θ·β_i + (1-θ)·β^,   δ_{i+1} = θ·δ_i + (1-θ)·δ^.
+
+    When the window's steps are all about the same size (the spread of u below
+    ``min_spread`` of its mean, or fewer than ``min_samples`` steps) the two
+    cannot be told apart: then the offset of the last window that could
+    (initially 0) is kept, δ^ = δ^_last, and only the scale is fitted,
+    β^ = mean((T_real − δ^·n) / T_pd) -- with δ^ = 0 exactly the paper's β.
+
+    Bounds: β in ``beta_bounds``, δ in [0, ``delta_max``] seconds. The offset
+    only adds: a slowdown adds time to a step; an engine that is faster than
+    its profile is a β below 1. A window whose best line has a negative offset
+    (large steps slower than the model in proportion, small ones not: the
+    model's size dependence is off, not a per-step cost) gets δ = 0 and the
+    paper's β. When β^ falls outside its bounds it is clamped and δ^ refitted
+    given that β.
 
     Defaults: θ = 0.8 and a 1 s window. A 1 s window holds tens of steps on a
     real engine (10-100 ms per step), enough to average out per-step jitter;
-    θ = 0.8 then moves β 20 % of the way to the window mean per step, so a
-    step change in speed is tracked to within ~5 % in about 15 steps after the
-    window has refilled, i.e. within a few dozen steps, while a single outlier
-    step moves β by at most (1-θ)/n_window of its error.
+    θ = 0.8 then moves the correction 20 % of the way to the window's fit per
+    step, so a step change in speed is tracked within a few dozen steps, while a
+    single outlier step moves it by at most (1-θ)/n_window of its error.
     """
 
     def __init__(self, theta: float = 0.8, window_s: float = 1.0, max_samples: int = 256,
-                 beta_bounds: tuple[float, float] = (0.05, 20.0)):
-        if not 0 <= theta < 1:
-            raise ConfigError(f"online correction: theta must be in [0, 1), got {theta}")
-        if window_s <= 0:
-            raise ConfigError(f"online correction: window_s must be > 0, got {window_s}")
-        self.theta = theta
-        self.window_s = window_s
+                 beta_bounds: tuple[float, float] = (0.05, 20.0), mode: str = SCALE_OFFSET,
+                 delta_max: float = 1.0, min_spread: float = 0.25, min_samples: int = 4):
+        where = "online correction"
+        self.theta = validate.number(where, "theta", theta, 0, 1, hi_open=True)
+        self.window_s = validate.positive(where, "window_s", window_s)
+        self.mode = validate.one_of(where, "mode", mode, CORRECTIONS)
+        self.delta_max = validate.non_negative(where, "delta_max", delta_max)
+        self.min_spread = validate.positive(where, "min_spread", min_spread)
+        self.min_samples = validate.integer(where, "min_samples", min_samples, 2)
         self.beta = 1.0
+        self.delta = 0.0
+        self._delta_fit = 0.0     # δ^ of the last window that determined it
         self.lo, self.hi = beta_bounds
-        self._window: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (time, ratio)
-        self._sum = 0.0
+        self._window: deque[tuple[float, float, float]] = deque(maxlen=max_samples)  # (time, r, u)
+        # running sums over the window of r, u, u², u·r (re-summed now and then against drift)
+        self._sums = [0.0, 0.0, 0.0, 0.0]
+        self._since_resum = 0
 
-    def observe(self, t_real: float, t_est: float, now: float) -> float:
-        """Add one step's measured and (uncorrected) estimated time; return β."""
-        if t_est <= 0 or t_real <= 0 or not math.isfinite(t_real):
+    def _add(self, r: float, u: float, sign: float) -> None:
+        s = self._sums
+        s[0] += sign * r
+        s[1] += sign * u
+        s[2] += sign * u * u
+        s[3] += sign * u * r
+
+    def _resum(self) -> None:
+        self._sums = [0.0, 0.0, 0.0, 0.0]
+        for _, r, u in self._window:
+            self._add(r, u, 1.0)
+        self._since_resum = 0
+
+    def observe(self, t_real: float, t_est: float, now: float, steps: int = 1) -> float:
+        """Add a measurement: ``steps`` steps took ``t_real`` seconds where the uncorrected
+        model predicted ``t_est`` for them together, ending at ``now``. Returns β."""
+        if t_est <= 0 or t_real <= 0 or not math.isfinite(t_real) or not math.isfinite(t_est) or steps < 1:
             return self.beta
-        if len(self._window) == self._window.maxlen:
-            self._sum -= self._window[0][1]
-        ratio = t_real / t_est
-        self._window.append((now, ratio))
-        self._sum += ratio
-        while self._window and self._window[0][0] < now - self.window_s:
-            self._sum -= self._window.popleft()[1]
-        mean = self._sum / len(self._window)
-        self.beta = min(self.hi, max(self.lo, self.theta * self.beta + (1 - self.theta) * mean))
+        w = self._window
+        if len(w) == w.maxlen:
+            _, r0, u0 = w[0]
+            self._add(r0, u0, -1.0)
+        r, u = t_real / t_est, steps / t_est
+        w.append((now, r, u))
+        self._add(r, u, 1.0)
+        while w and w[0][0] < now - self.window_s:
+            _, r0, u0 = w.popleft()
+            self._add(r0, u0, -1.0)
+        self._since_resum += 1
+        if self._since_resum >= 4 * (w.maxlen or 256):
+            self._resum()
+        beta_hat, delta_hat = self._fit()
+        th = self.theta
+        self._set(th * self.beta + (1 - th) * beta_hat, th * self.delta + (1 - th) * delta_hat)
         return self.beta
+
+    def _fit(self) -> tuple[float, float]:
+        """(β^, δ^) of the window (see the class docstring), within the bounds."""
+        n = len(self._window)
+        sr, su, suu, sur = self._sums
+        mr, mu = sr / n, su / n
+        if self.mode == SCALE:
+            return mr, 0.0                                     # §4.1: mean(T_real / T_pd)
+        var_u = suu / n - mu * mu
+        determined = n >= self.min_samples and var_u > (self.min_spread * mu) ** 2
+        # the slope of r on u, or (ill-conditioned) the last window's
+        delta = self._clamp_delta((sur / n - mu * mr) / var_u if determined else self._delta_fit)
+        beta = mr - delta * mu                                 # the best scale given that offset
+        if not self.lo <= beta <= self.hi:
+            beta = min(self.hi, max(self.lo, beta))
+            delta = self._clamp_delta((sur - beta * su) / suu) # the best offset given that scale
+        if determined:
+            self._delta_fit = delta
+        return beta, delta
+
+    def _clamp_delta(self, delta: float) -> float:
+        return min(self.delta_max, max(0.0, delta))
+
+    def _set(self, beta: float, delta: float) -> None:
+        self.beta = min(self.hi, max(self.lo, beta))
+        self.delta = 0.0 if self.mode == SCALE else self._clamp_delta(delta)
+
+    def adopt(self, beta: float, delta: float = 0.0) -> None:
+        """Take a correction measured elsewhere, within this corrector's bounds."""
+        self._set(float(beta), float(delta))
 
 
 class Estimator:
-    """A latency model scaled by the online correction factor β.
+    """A latency model with the online correction applied: a step of batch B takes
+    β·T_pd(B) + δ (δ = 0 under the paper's scale-only correction).
 
-    Every time the policies read (``prefill``, ``decode``, ``t_c``,
-    ``get_max_chunk``) is the corrected one, ``β · T``.
+    Every time the policies read (``costs()``, and through it ``prefill``,
+    ``decode``, ``t_c``, ``get_max_chunk``) is the corrected one.
     """
 
     def __init__(self, model: LatencyModel, corrector: OnlineCorrector | None = None):
@@ -230,11 +327,16 @@ class Estimator:
     def beta(self) -> float:
         return self.corrector.beta
 
+    @property
+    def delta(self) -> float:
+        """The correction's per-step offset δ in seconds (0 under ``mode="scale"``)."""
+        return self.corrector.delta
+
     def costs(self) -> StepCosts:
-        """Eq. 5-7 at the current β (:mod:`scheduler.cost`); rebuilt only when β or the model changed."""
-        c = self._costs
-        if c is None or c.beta != self.corrector.beta or self._costs_of is not self.model:
-            c = self._costs = StepCosts.of(self.model, self.corrector.beta)
+        """Eq. 5-7 at the current β and δ (:mod:`scheduler.cost`); rebuilt only when they or the model changed."""
+        c, k = self._costs, self.corrector
+        if c is None or c.beta != k.beta or c.delta != k.delta or self._costs_of is not self.model:
+            c = self._costs = StepCosts.of(self.model, k.beta, k.delta)
             self._costs_of = self.model
         return c
 
@@ -251,20 +353,31 @@ class Estimator:
     def batch(self, prefills: Iterable[tuple[int, int]] = (), decodes: Iterable[int] = ()) -> float:
         return self.costs().batch(prefills, decodes)
 
-    # -- the online correction: every body feeds β through these -----------------------
+    def corrected(self, t_model: float, steps: int = 1) -> float:
+        """The corrected time of ``steps`` steps whose uncorrected model times sum to ``t_model``."""
+        return self.corrector.beta * t_model + self.corrector.delta * steps
+
+    def model_time(self, t: float, steps: int = 1) -> float:
+        """The inverse of :meth:`corrected`: the uncorrected model time that ``steps`` steps
+        taking ``t`` seconds correspond to (a policy with a model of its own, such as
+        SLOs-Serve's roofline, converts its time budget with this)."""
+        return (t - self.corrector.delta * steps) / self.corrector.beta
+
+    # -- the online correction: every body feeds it through these -----------------------
     def observe(self, t_real: float, prefills: Iterable[tuple[int, int]], decodes: Iterable[int], now: float) -> float:
         """A step of this batch took ``t_real`` seconds, ending at ``now``; returns β."""
         return self.observe_time(t_real, self.model.batch_time(prefills, decodes), now)
 
-    def observe_time(self, t_real: float, t_model: float, now: float) -> float:
-        """``t_real`` measured where the uncorrected model predicted ``t_model`` (one step,
-        or a run of steps whose model times were summed, as the simulator's macro-steps)."""
-        return self.corrector.observe(t_real, t_model, now)
+    def observe_time(self, t_real: float, t_model: float, now: float, steps: int = 1) -> float:
+        """``t_real`` measured where the uncorrected model predicted ``t_model``: one step, or a
+        run of ``steps`` steps whose model times were summed (the simulator's macro-steps).
+        Returns β; δ is :attr:`delta`."""
+        return self.corrector.observe(t_real, t_model, now, steps)
 
-    def adopt(self, beta: float) -> None:
-        """Take a β measured elsewhere (the dispatcher mirrors each prefill worker's)."""
-        c = self.corrector
-        c.beta = min(c.hi, max(c.lo, float(beta)))
+    def adopt(self, beta: float, delta: float = 0.0) -> None:
+        """Take a correction measured elsewhere (the dispatcher mirrors each prefill worker's
+        β and δ), clamped to this estimator's bounds."""
+        self.corrector.adopt(beta, delta)
 
     def get_max_chunk(self, l_kv: int, remaining: int, budget: float) -> int:
         """GETMAXCHUNK: largest l_q ≤ ``remaining`` with β·T~_p(l_q, l_kv) ≤ ``budget``."""

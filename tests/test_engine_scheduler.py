@@ -58,7 +58,9 @@ LONG = 1800
 #: i.e. ~700 steps for the two long scenarios (seen: > 600 s at load 19 on 2 cores); 0.5 s holds
 #: ~75 at β = 20 and still splits an 1800-token prompt at β ≈ 1. Nothing checked depends on η
 #: beyond that: the replay uses the same configuration.
-PROSERVE = {"local_policy": "slide_batching", "mode": PREFILL_ONLY, "policy_params": {"eta": 0.5}}
+# β alone: the step record's plan carries β, not the offset δ that a replay would need too
+PROSERVE = {"local_policy": "slide_batching", "mode": PREFILL_ONLY, "policy_params": {"eta": 0.5},
+            "correction": "scale"}
 #: seconds between a scenario's submission and its first step the scenarios are sized for
 MAX_DELAY = 10.0
 #: every β the engine can plan with: the online corrector's clamp

@@ -177,8 +177,8 @@ class SLOsServe(LocalPolicy):
         return self._roof
 
     def time2bs(self, t: float) -> int:
-        """Time2BS with the online correction: largest #Tokens with β·T^ ≤ t."""
-        return self.roofline.time2bs(t / self.est.beta)
+        """Time2BS with the online correction: largest #Tokens with β·T^ + δ ≤ t."""
+        return self.roofline.time2bs(self.est.model_time(t))
 
     # -- Algorithm 1 -----------------------------------------------------------------------
     def schedule(self, view: InstanceView) -> BatchPlan:

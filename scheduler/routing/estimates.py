@@ -165,7 +165,7 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
     """ESTIMATEEXEC(p), ESTIMATEEXEC(p, req) and Δ_p (Alg. 2 lines 3-6) for one instance."""
     s = queue_snapshot(p, gain)
     est = p.estimator
-    beta = est.beta
+    beta, off = est.beta, est.delta   # a step takes β·T_pd + δ (the snapshot holds T_pd)
     D = s.deadlines
     n = len(D)
     lag_ = now - p.ts
@@ -197,7 +197,7 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
     # disaggregated: φ_p, one request per batch
     t_c = est.t_c
     c = x_req + t_c
-    e_pre = beta * s.prefix[-1] - lag_ if n else 0.0
+    e_pre = beta * s.prefix[-1] + n * off - lag_ if n else 0.0
     if e_pre < 0.0:
         e_pre = 0.0
     if not with_gain:
@@ -205,14 +205,14 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
     w_req = gain.next_token_weight(req)
     j = bisect_right(D, d_req)  # req's slot in remain order (after equal deadlines)
     P = s.prefix
-    done_req = (beta * P[j - 1] if j else 0.0) + c - lag_
+    done_req = (beta * P[j - 1] + j * off if j else 0.0) + c - lag_
     if done_req < c:
         done_req = c
     delta = w_req if done_req < r_req else 0.0
     W = s.weights
     for k in range(j, n):  # only the requests after req are delayed, each by c
         rk = D[k] - now
-        pk = beta * P[k] - lag_
+        pk = beta * P[k] + (k + 1) * off - lag_
         if 0.0 < rk and pk < rk <= pk + c:  # met before, missed after
             delta -= W[k]
     return Estimate(e_pre, e_pre + c, delta)

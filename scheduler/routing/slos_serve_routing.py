@@ -122,7 +122,7 @@ class SLOsServeRouting(GlobalPolicy):
         t0 = self.batch_time if self.batch_time is not None else tpot_min
         if colocated:
             t0 = min(t0, req.tpot_slo, tpot_min)
-        tokens = roof.time2bs(t0 / est.beta)
+        tokens = roof.time2bs(est.model_time(t0))
         sigma = tokens / t0
         k_hat = roof.marginal(tokens)
         unit = self.decode_cost == "unit" or k_hat <= 0
