@@ -414,7 +414,7 @@ class Simulator:
         if inst.noise_cv > 0:
             durs = durs * np.array([inst.noise() for _ in range(k)])
         est_total = inst.est.model.unit.decode_run_total(kv_sum, n, k)
-        inst.est.observe_time(float(durs.sum()), est_total, inst.step_start + float(durs.sum()))
+        inst.est.observe_time(float(durs.sum()), est_total, inst.step_start + float(durs.sum()), steps=k)
         return durs
 
     def _on_step_done(self, inst: _Instance, now: float) -> None:

@@ -279,18 +279,20 @@ def test_slos_serve_time2bs_takes_the_offset_off_the_budget():
 
 # -- the simulator ------------------------------------------------------------------------------
 
-def test_simulator_true_model_with_a_fixed_per_step_cost():
-    """--true-latency-model = the profile + 5 ms per step: the estimators find β ≈ 1, δ ≈ 5 ms
-    (the scale alone settles on a β that is wrong for most steps)."""
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_simulator_true_model_with_a_fixed_per_step_cost(fast_forward):
+    """--true-latency-model = the profile + 5 ms per step: the estimators find β ≈ 1, δ ≈ 5 ms,
+    also when the simulator observes a run of decode steps at once (fast-forward: δ counts once
+    per step of the run)."""
     from scheduler import default_classes
     from sim.cluster import SimConfig, Simulator
 
     slower = LatencyModel(**{**{k: getattr(MODEL, k) for k in ("a_p", "b_p", "c_p", "a_d", "b_d")},
                              "t_c": MODEL.t_c + FIXED})
     rng = random.Random(6)
-    reqs = [Request(f"r{i}", "low", 1.0, 5.0, 1.0, 0.05 * i, rng.randrange(32, 2048),
+    reqs = [Request(f"r{i}", "low", 1.0, 5.0, 1.0, 0.2 * i, rng.randrange(32, 2048),
                     output_len=rng.randrange(4, 64)) for i in range(300)]
-    cfg = SimConfig(global_policy="round_robin", true_model=slower, fast_forward=False)
+    cfg = SimConfig(global_policy="round_robin", true_model=slower, fast_forward=fast_forward)
     sim = Simulator(MODEL, cfg, classes=default_classes())
     sim.run(reqs)
     est = sim.p_states[0].estimator
