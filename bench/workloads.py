@@ -11,10 +11,12 @@ depend on the rate its arrivals were scaled to).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import numbers
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -247,6 +249,36 @@ def scale_to_rate(records: Sequence[TraceRecord], rate: float, seed: int | None 
     return [replace(r, arrival=(r.arrival - first) * k) for r in recs]
 
 
+def repeat_arrivals(records: Sequence[TraceRecord], duration: float) -> Iterator[TraceRecord]:
+    """The trace played back to back for ``duration`` seconds of arrivals, lazily.
+
+    Copy ``k`` of the records (sorted by arrival, first at 0) is shifted by
+    ``k · period`` with ``period = span + span / (n - 1)``: the trace's span plus
+    its mean gap, so the seam between copies looks like an ordinary gap and the
+    mean rate stays ``(n - 1) / span``. Records arriving at or after
+    ``duration`` are not yielded. A generator, so a day of arrivals need not be in
+    memory (:func:`iter_tagged`, ``sim.stream``). Scale first
+    (:func:`scale_to_rate`) to set the rate, then repeat.
+    """
+    duration = _positive("repeat_arrivals", "duration", duration)
+    recs = sorted(records, key=lambda r: r.arrival)
+    if len(recs) < 2 or recs[-1].arrival == recs[0].arrival:
+        raise ConfigError("repeat_arrivals: needs at least two records with different arrivals "
+                          "(a trace without timestamps has no arrival process to repeat)")
+    first = recs[0].arrival
+    span = recs[-1].arrival - first
+    period = span + span / (len(recs) - 1)
+    k = 0
+    while k * period < duration:
+        shift = k * period - first
+        for r in recs:
+            t = r.arrival + shift
+            if t >= duration:
+                return
+            yield replace(r, arrival=t)
+        k += 1
+
+
 # --- context fitting and priority tagging ----------------------------------------
 
 def fit_to_context(records: Sequence[TraceRecord], max_model_len: int) -> tuple[list[TraceRecord], int]:
@@ -328,6 +360,37 @@ def tag_priorities(records: Sequence[TraceRecord], classes: Mapping[str, Priorit
                            tpot_slo=pc.tpot_slo, arrival=start + rec.arrival,
                            prompt_len=rec.prompt_len, output_len=rec.output_len))
     return out
+
+
+def iter_tagged(records: Iterable[TraceRecord], classes: Mapping[str, PriorityClass] | None = None,
+                shares: Mapping[str, float] | None = None, seed: int | None = 0,
+                chunk: int = 65536) -> Iterator[Request]:
+    """:func:`tag_priorities` for a stream of records (e.g. :func:`repeat_arrivals`):
+    the same requests ``r0, r1, ...`` with the same classes, made lazily.
+
+    The classes are drawn ``chunk`` at a time from the same seeded stream, which
+    gives the draws of one call for all of them (numpy's ``choice`` with ``p``
+    maps one uniform per draw), so for a list the result equals
+    ``tag_priorities(records, classes, shares, seed)``.
+    """
+    classes = _check_classes(default_classes() if classes is None else classes)
+    names = list(classes)
+    probs = _normalise_shares(shares, names)
+    chunk = _positive_int("iter_tagged", "chunk", chunk)
+    rng = _rng(seed, _SALT_PRIORITY)
+    it = iter(records)
+    i = 0
+    while True:
+        block = list(itertools.islice(it, chunk))
+        if not block:
+            return
+        picks = rng.choice(len(names), size=len(block), p=probs)
+        for rec, k in zip(block, picks):
+            pc = classes[names[k]]
+            yield Request(id=f"r{i}", priority=pc.name, weight=pc.weight, ttft_slo=pc.ttft_slo,
+                          tpot_slo=pc.tpot_slo, arrival=rec.arrival, prompt_len=rec.prompt_len,
+                          output_len=rec.output_len)
+            i += 1
 
 
 # --- the whole pipeline -----------------------------------------------------------

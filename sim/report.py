@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from scheduler.request import Request
-from scheduler.tdg import GainConfig, slo_attained, summarize
+from scheduler.tdg import ClassMetrics, GainConfig, slo_attained, summarize
 
 
 def request_records(reqs: Iterable[Request], gain: GainConfig) -> list[dict]:
@@ -28,6 +31,84 @@ def request_records(reqs: Iterable[Request], gain: GainConfig) -> list[dict]:
 
 def metrics_dict(reqs: Sequence[Request], gain: GainConfig, duration: float | None = None) -> dict:
     return {k: v.as_dict() for k, v in summarize(reqs, gain, duration).items()}
+
+
+class _Sums:
+    __slots__ = ("finished", "first_got", "first_ideal", "ideal", "requests", "slo_met", "tdg", "tokens",
+                 "tpots", "ttfts")
+
+    def __init__(self) -> None:
+        self.requests = self.finished = self.slo_met = self.tokens = 0
+        self.tdg = self.ideal = self.first_ideal = self.first_got = 0.0
+        self.ttfts = array("d")
+        self.tpots = array("d")
+
+
+class MetricsAccumulator:
+    """:func:`scheduler.tdg.summarize` over a stream: each request is added once, when
+    it ends, and can then be dropped — the memory-light path of long simulations
+    (``sim.stream``), where millions of requests' token timelines would not fit.
+
+    Per request it calls the same functions as ``summarize`` (``GainConfig.tdg``,
+    ``ideal_gain``, ``token_deadline``, ``slo_attained``, ``Request.ttft/tpot``)
+    and keeps sums and the TTFT/TPOT values (8 bytes each) per class; :meth:`result`
+    gives the ``ClassMetrics`` that ``summarize`` would give for the same requests
+    (equal up to float summation order; tests/test_sim_stream.py).
+    """
+
+    def __init__(self, gain: GainConfig):
+        self.gain = gain
+        self.sums: dict[str, _Sums] = {"all": _Sums()}
+
+    def add(self, r: Request) -> None:
+        g = self.gain
+        tdg, ideal = g.tdg(r), g.ideal_gain(r)
+        first = g.w_p * r.weight
+        got = first if r.token_times and r.token_times[0] < g.token_deadline(r, 1) else 0.0
+        ttft = r.ttft
+        tpot = r.tpot if r.finished and r.num_emitted > 1 else None
+        met = slo_attained(r)
+        cls = self.sums.get(r.priority)
+        if cls is None:
+            cls = self.sums[r.priority] = _Sums()
+        for s in (self.sums["all"], cls):
+            s.requests += 1
+            s.finished += r.finished
+            s.tdg += tdg
+            s.ideal += ideal
+            s.first_ideal += first
+            s.first_got += got
+            s.slo_met += met
+            s.tokens += r.num_emitted
+            if ttft is not None:
+                s.ttfts.append(ttft)
+            if tpot is not None:
+                s.tpots.append(tpot)
+
+    @property
+    def count(self) -> int:
+        return self.sums["all"].requests
+
+    def result(self, duration: float) -> dict[str, ClassMetrics]:
+        """``"all"`` then each class by name, as :func:`summarize` orders them."""
+        out = {}
+        for name in ["all"] + sorted(k for k in self.sums if k != "all"):
+            s = self.sums[name]
+            if name != "all" and not s.requests:
+                continue
+            ratio = s.tdg / s.ideal if s.ideal > 0 else float("nan")
+            pct = (lambda a, q: float(np.percentile(np.frombuffer(a, dtype=np.float64), q)) if len(a)
+                   else float("nan"))
+            out[name] = ClassMetrics(
+                name=name, requests=s.requests, finished=s.finished, tdg=s.tdg, ideal_gain=s.ideal,
+                tdg_ratio=ratio, miss_tdg_ratio=1.0 - ratio if s.ideal > 0 else float("nan"),
+                first_token_tdg_ratio=s.first_got / s.first_ideal if s.first_ideal > 0 else float("nan"),
+                slo_attainment=s.slo_met / s.requests if s.requests else float("nan"),
+                ttft_p50=pct(s.ttfts, 50), ttft_p90=pct(s.ttfts, 90), ttft_p99=pct(s.ttfts, 99),
+                tpot_p50=pct(s.tpots, 50), tpot_p90=pct(s.tpots, 90), tpot_p99=pct(s.tpots, 99),
+                throughput_tokens_s=s.tokens / duration if duration > 0 else float("nan"),
+                throughput_req_s=s.finished / duration if duration > 0 else float("nan"))
+        return out
 
 
 def _clean(x):

@@ -297,3 +297,19 @@ def test_cli_plan_with_ttft_slo_override_reaches_the_workload():
     spec = _spec_from(args, args.local, args.glob, args.rate, 0)
     assert {(c.ttft_slo, c.tpot_slo) for c in spec.classes.values()} == {(0.5, 0.05)}
     assert math.isclose(spec.classes["high"].weight, 2.0)
+
+
+def test_shaped_workload_is_the_load_generators():
+    """--prompt-div/--output-div/--max-model-len build what bench.loadgen (and bench.engine_policies)
+    send to the real CPU cluster, so a plan can be checked against it request for request."""
+    from bench.loadgen.workload import make_workload
+    from sim.__main__ import _spec_from, _workload, build_parser
+    args = build_parser().parse_args(["plan", "--rate", "8", "--target", "high:tdg>=0.9", "--num-requests", "60",
+                                      "--prompt-div", "4", "--output-div", "4", "--max-model-len", "2048",
+                                      "--ttft-slo", "0.5", "--tpot-slo", "0.05"])
+    spec = _spec_from(args, args.local, args.glob, 8.0, 0)
+    got = _workload(spec)
+    want = make_workload("azure", 8.0, 60, 0, spec.classes, None, 4.0, 4.0, None, 2048)
+    assert [(r.id, r.priority, r.arrival, r.prompt_len, r.output_len, r.ttft_slo) for r in got] == \
+        [(r.id, r.priority, r.arrival, r.prompt_len, r.output_len, r.ttft_slo) for r in want]
+    assert max(r.prompt_len for r in got) < 2048 and {r.tpot_slo for r in got} == {0.05}
