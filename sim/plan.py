@@ -549,11 +549,8 @@ class Planner:
         notes = list(self.notes)
         order = list(self.order)
         if ok is None:
-            notes.append(f"{dep} fails even at {min(seen):g} req/s")
             return PlanResult("highest_rate", order, None, {"pass": None, "fail": self.trials[(dep, fail)]}, notes)
         best = {"pass": self.trials[(dep, ok)], "fail": None if fail is None else self.trials[(dep, fail)]}
-        if fail is None:
-            notes.append(f"{dep} passes at every rate tried, up to {ok:g} req/s")
         return PlanResult("highest_rate", order, best["pass"], best, notes)
 
 

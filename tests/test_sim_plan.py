@@ -313,3 +313,23 @@ def test_shaped_workload_is_the_load_generators():
     assert [(r.id, r.priority, r.arrival, r.prompt_len, r.output_len, r.ttft_slo) for r in got] == \
         [(r.id, r.priority, r.arrival, r.prompt_len, r.output_len, r.ttft_slo) for r in want]
     assert max(r.prompt_len for r in got) < 2048 and {r.tpot_slo for r in got} == {0.05}
+
+
+def always(ok: bool):
+    def run(spec):
+        out = fake_run(spec)
+        for m in out["metrics"].values():
+            m["tdg_ratio"] = m["slo_attainment"] = 1.0 if ok else 0.0
+        return out
+    return run
+
+
+def test_highest_rate_gives_up_at_the_rate_limits():
+    with planner(run=always(False)) as p:
+        res = p.highest_rate(pl.colocated(1), start=1.0)
+    assert res.answer is None and min(t.rate for t in res.trials) >= pl.RATE_MIN
+    assert "meets the targets at no rate tried (down to" in pl.describe(res, TARGETS, tol=0.02)
+    with planner(run=always(True)) as p:
+        res = p.highest_rate(pl.colocated(1), start=1.0)
+    assert res.answer.rate == max(t.rate for t in res.trials) and res.answer.rate <= pl.RATE_MAX
+    assert "passes at every rate tried, up to" in pl.describe(res, TARGETS, tol=0.02)
