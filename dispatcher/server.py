@@ -69,8 +69,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from scheduler.host import RouterHost
 from scheduler.registry import make_global
-from scheduler.routing.base import COLOCATED, PrefillQueueMap
+from scheduler.routing.base import COLOCATED
 from scheduler.tdg import slo_attained
 
 from .auth import Authorizer
@@ -153,7 +154,10 @@ class Dispatcher:
         self.auth = Authorizer(cfg.classes, cfg.resolved_default_class, keys)
         self.policy = make_global(cfg.global_policy, gain=cfg.gain, classes=cfg.classes,
                                   deployment=cfg.deployment, seed=cfg.seed, **cfg.global_params)
-        self.qmap = PrefillQueueMap([w.state for w in self.registry.prefill])
+        # PrefillQueueMap and n_d (§4.3), moved only by the events below (scheduler.host); qmap is
+        # there to read (and for benchmarks that seed queues)
+        self.router_host = RouterHost(self.policy, [w.state for w in self.registry.prefill])
+        self.qmap = self.router_host.qmap
         self.metrics = Metrics()
         self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)
         self.worker_key = cfg.worker_api_key()   # ConfigError naming the file when unreadable/empty
@@ -298,7 +302,7 @@ class Dispatcher:
                 raise self._no_instance("decode", bad)
         now = time.time()
         t0 = time.perf_counter()
-        p_state, d_state = self.policy.route(job.sreq, [w.state for w in ps], [w.state for w in ds], now)
+        p_state, d_state = self.router_host.route(job.sreq, [w.state for w in ps], [w.state for w in ds], now)
         self.metrics.route_time.observe(time.perf_counter() - t0)
         decision = getattr(self.policy, "last_decision", None)
         if decision is not None:
@@ -309,7 +313,7 @@ class Dispatcher:
             d = next(w for w in ds if w.state is d_state)
             self._reserve_blocks(job, d)
         # last: from here on the caller's finally takes the request out of the queue map
-        self.qmap.add(p_state.id, job.sreq, now)
+        self.router_host.dispatched(job.sreq, p_state.id, now)
         self.metrics.routed.labels("prefill", p.name).inc()
         return p, d
 
@@ -319,8 +323,10 @@ class Dispatcher:
         d.state.free_blocks = max(0, d.state.free_blocks - need)
         self.metrics.routed.labels("decode", d.name).inc()
 
-    def _prefill_done(self, job: Job, p: PrefillWorker) -> None:
-        self.qmap.remove(p.state.id, job.sreq, time.time())   # a no-op once it is out
+    def _prefill_done(self, job: Job) -> None:
+        # PrefillQueueMap[p].remove(r); co-located, the request now decodes on p (n_d).
+        # A no-op once it is out
+        self.router_host.prefill_finished(job.sreq, time.time())
 
     # -- upstream calls, cancellable when the worker goes down -------------------------------------
     async def _guarded(self, w: Worker, coro, what: str):
@@ -462,7 +468,7 @@ class Dispatcher:
         try:
             out = await self._post_json(p, job.path, prefill_body(job, xfer))
         finally:
-            self._prefill_done(job, p)   # the asynchronous completion signal (§4.3)
+            self._prefill_done(job)   # the asynchronous completion signal (§4.3)
         kv = out.get("kv_transfer_params")
         if not isinstance(kv, dict) or not kv.get("error"):
             return None
@@ -499,7 +505,7 @@ class Dispatcher:
             # and a late outcome of the first attempt must not touch the second's
             xfer_id = f"{job.id}-{attempt}"
             job.record.update(prefill=p.name, decode=d.name if d else None, attempts=attempt + 1, xfer_id=xfer_id)
-            sent = decoding = False
+            sent = False
             leg: Worker = p
             try:
                 xfer = None
@@ -514,9 +520,7 @@ class Dispatcher:
                         if d is None and not sent:
                             # co-located: the first token is the prefill's completion signal, and
                             # the request now adds to the instance's decode load n_d (§4.3)
-                            self._prefill_done(job, p)
-                            self.qmap.decode_started(p.state.id)
-                            decoding = True
+                            self._prefill_done(job)
                         sent = True
                         yield time.time(), chunk
                 else:
@@ -536,9 +540,8 @@ class Dispatcher:
                     self.metrics.retries.labels(leg.role).inc()
                     logger.warning("request %s: %s; retrying on other instances", job.id, e)
             finally:
-                self._prefill_done(job, p)
-                if decoding:
-                    self.qmap.decode_finished(p.state.id)
+                # this attempt is over: out of PrefillQueueMap[p], or out of p's n_d
+                self.router_host.released(job.sreq, time.time())
         raise ApiError(504 if timed_out else 502, "the request failed on two instances: " + " | ".join(errors))
 
     # -- accounting ------------------------------------------------------------------------------
@@ -553,7 +556,7 @@ class Dispatcher:
             rec["error"] = error
         if r is not None:
             r.end(error or (None if outcome == "ok" else outcome))   # its output length is what it emitted
-            self.policy.on_request_finished(r, time.time())   # routers that learn from completions
+            self.router_host.finished(r, time.time())   # routers that learn from completions
         if r is not None and r.token_times:
             n = len(r.token_times)
             gain = self.cfg.gain

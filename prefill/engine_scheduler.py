@@ -28,6 +28,12 @@ matching ``update_from_output()`` is the step's measured time (vLLM on CPU
 schedules synchronously; the plugin refuses async scheduling), the estimate is
 T_pd of the batch vLLM actually scheduled, and the pair feeds β.
 
+What is not vLLM-specific — the view with its admission reserve, the tokens each
+request runs, β, telling the policy of finished batches and requests — is
+:class:`scheduler.host.LocalHost`, the same code the simulator runs;
+``tests/test_host_equivalence.py`` drives this plugin and the simulator through
+one event sequence and checks they take the same decisions.
+
 ``local_policy = "stock"`` runs vLLM's own decisions unchanged, with the same
 per-step timing and recording: that is what the profiler drives and what the
 scheduling-overhead benchmark compares against.
@@ -66,7 +72,8 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from scheduler.local.base import PREFILL_ONLY, InstanceView, admission_reserve
+from scheduler.host import LocalHost, ViewOrder
+from scheduler.local.base import PREFILL_ONLY, InstanceView
 from scheduler.request import ConfigError, Phase
 from scheduler.request import Request as PolicyRequest
 
@@ -79,6 +86,12 @@ logger = logging.getLogger("proserve.scheduler")
 
 class ProServeScheduler(Scheduler):
     """A thin vLLM ``Scheduler`` whose batch decisions come from a ``scheduler/`` policy."""
+
+    #: the clocks the plugin reads: Unix time for request and token times (arrival times come
+    #: as Unix times), a monotonic clock for step durations; a test replaying an event sequence
+    #: replaces both
+    wall_clock = staticmethod(time.time)
+    step_clock = staticmethod(time.perf_counter)
 
     def __init__(self, vllm_config, *args: Any, **kwargs: Any) -> None:
         vllm_shim.check()              # an unsupported vLLM stops here, saying why
@@ -93,8 +106,11 @@ class ProServeScheduler(Scheduler):
         self.classes, self.default_class = parts.classes, parts.default_class
         self.estimator, self.gain, self.policy = parts.estimator, parts.gain, parts.policy
         self.mode = cfg.mode
+        self.host = LocalHost(self.policy, self.estimator, self.mode, self.block_size, vllm_shim.total_blocks(self))
         self._views: dict[str, PolicyRequest] = {}
-        self._caps: dict[str, int] | None = None
+        self._order = ViewOrder()   # the simulator's order of the view, not vLLM's queue order
+        self._caps: dict[str, int] | None = None      # the plan's tokens, while vLLM schedules
+        self._planned: dict[str, int] | None = None   # ... and until the step is noted (_remember)
         # (t_end, prefills, decodes, sched_s, admitted, scheduled) of the step in flight
         self._last: tuple | None = None
         self._plan_record: dict | None = None
@@ -124,11 +140,12 @@ class ProServeScheduler(Scheduler):
                 id=request.request_id, priority=p.priority, weight=p.weight, ttft_slo=p.ttft_slo,
                 tpot_slo=p.tpot_slo, arrival=p.arrival_time if p.arrival_time is not None else request.arrival_time,
                 prompt_len=request.num_prompt_tokens, prefill_len=request.num_prompt_tokens)
+            self._order.arrived(request.request_id)
         super().add_request(request)
 
     def finish_requests(self, request_ids, finished_status):
         out = super().finish_requests(request_ids, finished_status)
-        now = time.time()
+        now = self.wall_clock()
         for r in out:
             # stop strings end requests here too (the front end detects them), not only aborts
             self._finished(self._views.pop(r.request_id, None), now,
@@ -137,8 +154,9 @@ class ProServeScheduler(Scheduler):
 
     def _finished(self, v: PolicyRequest | None, now: float, aborted: bool = False) -> None:
         """Tell the policy a request ended (policies that learn output lengths need it)."""
-        if v is None or self.policy is None:
+        if v is None:
             return
+        self._order.forget(v.id)
         if aborted:
             v.end("aborted")
         elif self.mode == PREFILL_ONLY:
@@ -147,7 +165,7 @@ class ProServeScheduler(Scheduler):
             v.end("handed off to decode")
         else:
             v.end()
-        self.policy.on_request_finished(v, now)
+        self.host.finished(v, now)
 
     # -- the view the policy sees ------------------------------------------------------
     def _sync(self, req) -> PolicyRequest | None:
@@ -159,6 +177,8 @@ class ProServeScheduler(Scheduler):
         n_out = req.num_output_tokens
         if n_out == 0 or req.num_tokens - done > 1:
             # prompt (or, after a recompute preemption, prompt + outputs) still to prefill
+            if v.phase is Phase.DECODING:
+                self._order.preempted(v.id)   # vLLM preempted it while it decoded
             v.sync(req.num_tokens if n_out else req.num_prompt_tokens, done, decoding=False)
         else:
             v.sync(done, done, decoding=True)
@@ -172,20 +192,17 @@ class ProServeScheduler(Scheduler):
                 if v is None:
                     continue
                 (waiting if v.needs_prefill else decoding).append(v)
-        return InstanceView(now=now, waiting=waiting, decoding=decoding,
-                            free_blocks=vllm_shim.free_blocks(self),
-                            block_size=self.block_size, mode=self.mode,
-                            reserve_blocks=admission_reserve(len(decoding), vllm_shim.total_blocks(self),
-                                                             idle=vllm_shim.holds_no_kv(self)))
+        self._order.sort(waiting, decoding)
+        return self.host.view(now, waiting, decoding, vllm_shim.free_blocks(self), idle=vllm_shim.holds_no_kv(self))
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = self.step_clock()
         if self.policy is None:
             out = super().schedule(*args, **kwargs)
         else:
             out = self._schedule_planned(*args, **kwargs)
-        t1 = time.perf_counter()
+        t1 = self.step_clock()
         self._remember(out, t1, t1 - t0)
         if self._plan_view is not None:
             # written out here, after timing, so that recording does not count as scheduling time;
@@ -195,9 +212,9 @@ class ProServeScheduler(Scheduler):
         return out
 
     def _schedule_planned(self, *args, **kwargs):
-        now = time.time()
+        now = self.wall_clock()
         view = self._view(now)
-        plan = self.policy.schedule(view)
+        plan = self.host.plan(view)
         self.last_info = plan.info
         self._plan = plan if not plan.empty else None
         if self._record is not None:
@@ -209,21 +226,13 @@ class ProServeScheduler(Scheduler):
                                                                                  for r in plan.decode],
                 "terms": plan.terms.of() if plan.terms is not None else None}
             self._plan_view = view
-        caps = {r.id: n for r, n in plan.prefill}
-        for r in plan.decode:
-            caps[r.id] = 1
-        if self.mode == PREFILL_ONLY:
-            # φ_p plans prefills only; a request that was sent here with max_tokens > 1
-            # still decodes, riding along one token per step
-            for r in view.decoding:
-                caps.setdefault(r.id, 1)
-        order = [r.id for r, _ in plan.prefill] + [r.id for r in plan.decode]
-        self._caps = caps
+        # each planned request's tokens, in plan order: vLLM takes its waiting ones in this order
+        caps = self._caps = self.host.tokens(plan, view)
         try:
-            with vllm_shim.planned_queues(self, caps, order):
+            with vllm_shim.planned_queues(self, caps, list(caps)):
                 out = super().schedule(*args, **kwargs)
         finally:
-            self._caps = None
+            self._caps, self._planned = None, caps
         info = plan.info
         if not plan.empty:
             self.metrics.plan(info, self.estimator.beta)
@@ -244,14 +253,19 @@ class ProServeScheduler(Scheduler):
     def _remember(self, out, t_end: float, sched_s: float) -> None:
         """Note the batch vLLM actually scheduled, for β and the step record."""
         self.steps += 1
+        planned, self._planned = self._planned or {}, None
         if out.total_num_scheduled_tokens <= 0:
             self._last = None
             return
+        # the batch in plan order (then anything unplanned), as the simulator lists it: β adds the
+        # batch's costs in this order, and a float sum depends on its order
+        tokens = out.num_scheduled_tokens
         prefills, decodes = [], []
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid in [rid for rid in planned if rid in tokens] + [rid for rid in tokens if rid not in planned]:
             req = self.requests.get(rid)
             if req is None:
                 continue
+            n = tokens[rid]
             l_kv = req.num_computed_tokens - n   # vLLM advanced it by n in schedule()
             if n == 1 and l_kv >= req.num_prompt_tokens:
                 decodes.append(l_kv)
@@ -268,16 +282,15 @@ class ProServeScheduler(Scheduler):
         self._last = (t_end, prefills, decodes, sched_s, admitted, scheduled)
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        t_real_end = time.perf_counter()
+        t_real_end = self.step_clock()
         last, self._last = self._last, None
         # vLLM drops finished requests from self.requests in update_from_output: hold on
         # to them so that their last tokens are counted too
         stepped = {rid: self.requests.get(rid) for rid in scheduler_output.num_scheduled_tokens}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        now = time.time()
+        now = self.wall_clock()
         plan, self._plan = self._plan, None
-        if plan is not None:
-            self.policy.on_batch_done(plan, now)   # stateful policies (e.g. weighted_vtc) count here
+        prefilling = [(r, len(r.token_times)) for r, _ in plan.prefill] if plan is not None else ()
         # token timestamps (the deadlines of Eq. 3 count emitted tokens) and finished requests
         finished = []
         for rid, req in stepped.items():
@@ -289,17 +302,21 @@ class ProServeScheduler(Scheduler):
             if req is None or req.is_finished():
                 finished.append([rid, len(v.token_times)])
                 self._finished(self._views.pop(rid, None), now)
+        for r, n in prefilling:                 # in plan order
+            if len(r.token_times) > n and r.id in self._views:
+                self._order.prefilled(r.id)     # its first token: the prefill is done, it decodes
+        if plan is not None:
+            self.host.batch_done(plan, now)   # stateful policies (e.g. weighted_vtc) count here
         if last is not None:
             t_end, prefills, decodes, sched_s, admitted, scheduled = last
             t_real = t_real_end - t_end
-            est_raw = self.estimator.model.batch_time(prefills, decodes)
-            beta_before = self.estimator.beta
-            beta = self.estimator.observe_time(t_real, est_raw, now)
-            self.metrics.step(t_real, est_raw * beta_before, beta, sched_s)
+            est = self.estimator.batch(prefills, decodes)   # what the step was expected to take
+            beta = self.host.observe(t_real, prefills, decodes, now)   # the online correction (§4.1)
+            self.metrics.step(t_real, est, beta, sched_s)
             if self._record is not None:
                 self._record.write(json.dumps({
                     "step": self.steps, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
-                    "sched_s": sched_s, "est": est_raw * beta_before, "beta": beta,
+                    "sched_s": sched_s, "est": est, "beta": beta,
                     "waiting": vllm_shim.num_waiting(self), "admitted": admitted,
                     "scheduled": scheduled, "finished": finished, "plan": self._plan_record}) + "\n")
         return outputs

@@ -108,8 +108,10 @@ def queues(sched: Scheduler) -> tuple:
 
 
 def holds_no_kv(sched: Scheduler) -> bool:
-    """Nothing running and nothing waiting with KV: every request's blocks are free."""
-    return not sched.running and not sched.kv_holding_waiting
+    """Every KV block is free: nothing runs, waits with KV, or keeps its KV for a transfer
+    to a decode instance (the block pool keeps one block back, its null block)."""
+    pool = sched.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() >= pool.num_gpu_blocks - 1
 
 
 def num_waiting(sched: Scheduler) -> int:

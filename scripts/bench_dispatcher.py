@@ -104,9 +104,9 @@ def part_route(args) -> None:
         for i in range(400):
             j = job(10_000 + i, time.time())
             t0 = time.perf_counter()
-            p, _ = d._route(j, set())
+            d._route(j, set())
             full.append(time.perf_counter() - t0)
-            d._prefill_done(j, p)
+            d._prefill_done(j)
         ps = [w.state for w in d.registry.prefill]
         ds = [w.state for w in d.registry.decode]
         for i in range(400):

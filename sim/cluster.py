@@ -34,10 +34,11 @@ from typing import Sequence
 import numpy as np
 
 from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
-from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView, admission_reserve, blocks_for
+from scheduler.host import LocalHost, RouterHost
+from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, blocks_for
 from scheduler.registry import make_global, make_local
 from scheduler.request import ConfigError, Phase, PriorityClass, Request
-from scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance, PrefillQueueMap
+from scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance
 from scheduler.tdg import GainConfig
 
 DEPLOYMENTS = (COLOCATED, DISAGGREGATED)
@@ -132,6 +133,8 @@ class _Instance:
         self.step_start = 0.0
         self.admitted: dict[str, int] = {}  # request id -> admission sequence number (vLLM's running order)
         self.admit_seq = 0
+        # what every body does with the policy's plans and the measured step times (scheduler.host)
+        self.host = LocalHost(policy, est, mode, block_size, blocks)
 
     def blocks_held(self, r: Request) -> int:
         return math.ceil(r.kv_len / self.block_size)
@@ -179,7 +182,8 @@ class Simulator:
                                   deployment=dep, seed=config.seed, **config.global_params)
         self.p_states = [PrefillInstance(i.id, i.est) for i in self.front]
         self.d_states = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
-        self.qmap = PrefillQueueMap(self.p_states)
+        # the global side: PrefillQueueMap updates and router notifications, from events
+        self.router_host = RouterHost(self.router, self.p_states)
         self._events: list = []
         self._seq = 0
         self.timeline: list[TimelinePoint] = []
@@ -225,7 +229,7 @@ class Simulator:
             self._fail(r, f"prompt of {r.prompt_len} tokens exceeds the KV capacity of an instance", now)
             return
         r.instance = p.id
-        self.qmap.add(p.id, r, now)
+        self.router_host.dispatched(r, p.id, now)
         if d is not None:
             self._decode_target[r.id] = d.id
         inst.waiting.append(r)
@@ -238,11 +242,10 @@ class Simulator:
     def _finished(self, r: Request, now: float) -> None:
         """``r`` emitted its last token (or failed): tell the policies that learn from it."""
         if r.instance is not None:
-            self.front[r.instance].admitted.pop(r.id, None)
-            pol = self.front[r.instance].policy
-            if pol is not None:
-                pol.on_request_finished(r, now)
-        self.router.on_request_finished(r, now)
+            inst = self.front[r.instance]
+            inst.admitted.pop(r.id, None)
+            inst.host.finished(r, now)
+        self.router_host.finished(r, now)   # also out of PrefillQueueMap / n_d, wherever it still counts
 
     def _wake(self, inst: _Instance, now: float) -> None:
         """New work for ``inst``: start a step if idle, or cut a macro-step short."""
@@ -277,8 +280,7 @@ class Simulator:
                 if victim.kv_len % bs == 0:
                     need -= 1
                 victim.preempt()
-                self.qmap.decode_finished(inst.id)
-                self.qmap.add(inst.id, victim, now)
+                self.router_host.requeued(victim, now)
                 inst.waiting.insert(0, victim)
             else:
                 victim.preempt()   # a partial prefill: already queued, starts over
@@ -313,10 +315,9 @@ class Simulator:
                     free -= need
                     plan.decode.append(r)
         else:
-            view = InstanceView(now, inst.waiting, inst.decoding, inst.free_blocks, self.block_size, inst.mode,
-                                reserve_blocks=admission_reserve(len(inst.decoding), inst.total_blocks,
-                                                                 idle=inst.free_blocks == inst.total_blocks))
-            plan = inst.policy.schedule(view)
+            host = inst.host
+            plan = host.plan(host.view(now, inst.waiting, inst.decoding, inst.free_blocks,
+                                       idle=inst.free_blocks == inst.total_blocks))
             if self.cfg.record_timeline:
                 i = plan.info
                 self.timeline.append(TimelinePoint(now, inst.id, i.n_urgent, i.n_normal, i.t_budget,
@@ -339,7 +340,7 @@ class Simulator:
                 inst.free_blocks -= blocks_for(r, 1, bs)
             kvs = [r.kv_len for r in plan.decode]
             dur = self.truth.batch_time(prefills, kvs) * inst.noise()
-            inst.est.observe(dur, prefills, kvs, now + dur)
+            inst.host.observe(dur, prefills, kvs, now + dur)
             inst.macro_times = np.array([now + dur])
         else:
             inst.free_blocks -= _growth_blocks(plan.decode, k, bs)
@@ -379,8 +380,7 @@ class Simulator:
             victim.preempt()
             inst.admitted.pop(victim.id, None)
             self.preemptions += 1
-            self.qmap.decode_finished(inst.id)
-            self.qmap.add(inst.id, victim, now)
+            self.router_host.requeued(victim, now)
             inst.waiting.insert(0, victim)
         elif inst.free_blocks < inst.total_blocks:
             # prefill-only instance whose blocks hold finished prefills waiting for their
@@ -394,7 +394,6 @@ class Simulator:
             never = [r for r in inst.waiting if -(-(r.prefill_len + 1) // bs) > inst.total_blocks]
             for r in never or inst.waiting[:1]:
                 inst.waiting.remove(r)
-                self.qmap.remove(inst.id, r, now)
                 self._fail(r, "request does not fit in KV memory", now)
         else:
             return False
@@ -414,7 +413,7 @@ class Simulator:
         if inst.noise_cv > 0:
             durs = durs * np.array([inst.noise() for _ in range(k)])
         est_total = inst.est.model.unit.decode_run_total(kv_sum, n, k)
-        inst.est.observe_time(float(durs.sum()), est_total, inst.step_start + float(durs.sum()), steps=k)
+        inst.host.observe_run(float(durs.sum()), est_total, inst.step_start + float(durs.sum()), steps=k)
         return durs
 
     def _on_step_done(self, inst: _Instance, now: float) -> None:
@@ -436,23 +435,20 @@ class Simulator:
         for r in finished:
             inst.decoding.remove(r)
             inst.free_blocks += inst.blocks_held(r)
-            if inst.mode == COLOCATED:
-                self.qmap.decode_finished(inst.id)
             self._finished(r, now)
-        if inst.policy is not None:
-            inst.policy.on_batch_done(plan, now)
+        inst.host.batch_done(plan, now)
         self._start_step(inst, now)
 
     def _prefill_done(self, inst: _Instance, r: Request, now: float) -> None:
         inst.waiting.remove(r)
-        self.qmap.remove(inst.id, r, now)   # asynchronous completion signal (§4.3)
+        # the asynchronous completion signal (§4.3); co-located, r now decodes here (n_d)
+        self.router_host.prefill_finished(r, now)
         if inst.mode == COLOCATED:
             if r.phase is Phase.DONE:
                 inst.free_blocks += inst.blocks_held(r)
                 self._finished(r, now)
             else:
                 inst.decoding.append(r)
-                self.qmap.decode_started(inst.id)
             return
         # disaggregated: KV moves to the decode instance picked at dispatch
         if r.phase is Phase.DONE:

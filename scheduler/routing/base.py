@@ -7,6 +7,10 @@ not finished yet (``PrefillQueueMap[p]``), the time of the last change to that
 list (``ts_p``, for timestamp lag compensation), and in the co-located setting
 the number of requests decoding there (``n_d``). Decode instances report their
 free KV blocks.
+
+Bodies (the simulator, the dispatcher) do not call :class:`PrefillQueueMap`
+themselves: they report events (dispatched, prefill finished, requeued,
+released, finished) to :class:`scheduler.host.RouterHost`, which moves the map.
 """
 
 from __future__ import annotations
