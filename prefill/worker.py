@@ -16,6 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scheduler import validate
+from scheduler.request import ConfigError
+
 from . import params, worker_http
 
 TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
@@ -290,7 +293,6 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
     """``additional_config["proserve"]`` for the plugin, and the class table; errors exit with a message."""
     from scheduler import registry
     from scheduler.config import classes_from_dicts, default_classes, parse_key_values
-    from scheduler.request import ConfigError
 
     if args.local_policy != "stock" and args.local_policy not in registry.local_names():
         raise SystemExit(f"error: --local-policy: unknown policy {args.local_policy!r}; choose one of "
@@ -350,15 +352,15 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
 
 def main(role: str, argv: list[str] | None = None) -> None:
     args = build_parser(role).parse_args(argv)
-    if args.port < 1 or args.port > 65535:
-        raise SystemExit(f"error: --port must be in 1..65535, got {args.port}")
-    if args.kv_timeout <= 0:
-        raise SystemExit(f"error: --kv-timeout must be > 0, got {args.kv_timeout}")
-    for name in ("kv_connect_timeout", "kv_max_held_mib", "kv_max_peer_mib", "kv_max_message_mib", "kv_result_ttl",
-                 "kv_max_open"):
-        v = getattr(args, name, None)
-        if v is not None and not v > 0:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be > 0, got {v}")
+    try:
+        validate.integer("error", "--port", args.port, 1, 65535)
+        for name in ("kv_timeout", "kv_connect_timeout", "kv_max_held_mib", "kv_max_peer_mib", "kv_max_message_mib",
+                     "kv_result_ttl", "kv_max_open"):
+            v = getattr(args, name, None)
+            if v is not None:
+                validate.positive("error", "--" + name.replace("_", "-"), v)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     check_security(role, args)
     cmd, env = vllm_argv(role, args)
     os.execvpe(cmd[0], cmd, env)

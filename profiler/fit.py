@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from scheduler import validate
 from scheduler.estimator import COEFFS, BatchSample, LatencyModel
 
 from .record import Measurement
@@ -79,8 +80,7 @@ def split(kinds: dict[str, str], holdout: float, seed: int) -> tuple[set[str], s
     split is stratified by kind, so prefill, decode and mixed batches are all
     tested; every kind keeps at least one point in training.
     """
-    if not 0 < holdout < 1:
-        raise FitError(f"--holdout must be in (0, 1), got {holdout}")
+    validate.number("", "--holdout", holdout, 0, 1, lo_open=True, hi_open=True, error=FitError)
     if len(kinds) < 2:
         raise FitError(f"a held-out split needs at least 2 grid points with data, got {len(kinds)}")
     rng = random.Random(seed)

@@ -78,9 +78,7 @@ class LatencyModel:
 
     def __post_init__(self) -> None:
         for name in COEFFS:
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"latency model: coefficient {name} must be a finite number >= 0, got {v!r}")
+            validate.non_negative("latency model", f"coefficient {name}", getattr(self, name))
         if self.c_p <= 0 and self.a_p <= 0:
             raise ConfigError("latency model: prefill cost is zero (a_p = c_p = 0); GETMAXCHUNK would be unbounded")
 
@@ -137,8 +135,7 @@ class LatencyModel:
     def fit_holdout(cls, samples: Sequence[BatchSample], holdout: float = 0.2, seed: int = 0,
                     metadata: dict | None = None) -> tuple["LatencyModel", float, float]:
         """Fit on a random (1-holdout) share; return (model, train MAPE, held-out MAPE)."""
-        if not 0 < holdout < 1:
-            raise ConfigError(f"latency model: holdout must be in (0, 1), got {holdout}")
+        validate.number("latency model", "holdout", holdout, 0, 1, lo_open=True, hi_open=True)
         idx = np.random.default_rng(seed).permutation(len(samples))
         n_test = max(1, int(round(holdout * len(samples))))
         test = [samples[i] for i in idx[:n_test]]

@@ -73,5 +73,5 @@ def test_caps_must_be_positive(flag, monkeypatch):
     def no_exec(*a):
         raise AssertionError("the worker would have started vLLM")
     monkeypatch.setattr(worker.os, "execvpe", no_exec)
-    with pytest.raises(SystemExit, match="must be > 0"):
+    with pytest.raises(SystemExit, match=rf"error: {flag} must be a number > 0, got 0"):
         worker.main("decode", [flag, "0"])
