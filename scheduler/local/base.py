@@ -17,13 +17,12 @@ policy's notifications) is :class:`scheduler.host.LocalHost`.
 from __future__ import annotations
 
 import math
-import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
 from ..estimator import Estimator
-from ..request import ConfigError, PriorityClass, Request
+from ..request import PriorityClass, Request
 from ..tdg import GainConfig
 
 COLOCATED = "colocated"        # PD co-located: prefill chunks and decodes share a batch
@@ -234,17 +233,3 @@ class LocalPolicy(ABC):
     def exec_time(self, r: Request) -> float:
         """exec (Alg. 1 line 3): T~_pd of the request's next work, without t_c."""
         return self.est.costs().next_work(r)
-
-
-def check_params(where: str, **params: float) -> None:
-    for k, v in params.items():
-        if not isinstance(v, (int, float)) or v != v or v < 0:
-            raise ConfigError(f"{where}: {k} must be a number >= 0, got {v!r}")
-
-
-def check_count(where: str, **values) -> None:
-    """Raise ConfigError naming the first value that is not an integer >= 1
-    (token budgets, sequence limits)."""
-    for k, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ConfigError(f"{where}: {k} must be an integer >= 1, got {v!r}")

@@ -20,8 +20,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping, Sequence
 
+from .. import validate
 from ..estimator import Estimator
-from ..request import ConfigError, PriorityClass, Request
+from ..request import PriorityClass, Request
 from ..tdg import GainConfig
 
 DISAGGREGATED = "disaggregated"
@@ -104,8 +105,7 @@ class GlobalPolicy(ABC):
 
     def __init__(self, gain: GainConfig | None = None, classes: Mapping[str, PriorityClass] | None = None,
                  deployment: str = DISAGGREGATED, seed: int = 0):
-        if deployment not in DEPLOYMENTS:
-            raise ConfigError(f"{self.name}: deployment must be one of {', '.join(DEPLOYMENTS)}, got {deployment!r}")
+        validate.one_of(self.name, "deployment", deployment, DEPLOYMENTS)
         self.gain = gain or GainConfig()
         self.classes = dict(classes or {})
         self.deployment = deployment
