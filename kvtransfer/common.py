@@ -15,7 +15,12 @@ from .wire import DTYPES, WireError
 
 log = logging.getLogger("kvtransfer.transport")
 
-DEFAULT_CHUNK_BYTES = 4 << 20          # payload bytes per kv message
+DEFAULT_CHUNK_BYTES = 4 << 20          # payload bytes per kv message (a chunk of a large layer)
+DEFAULT_PACK_BYTES = 1 << 20           # payload bytes of a pack (small layers sent as one kv message)
+# layers up to this size are packed: pyzmq copies a smaller frame anyway (zmq.COPY_THRESHOLD),
+# so packing costs no extra copy; larger layers go zero-copy, and copying them cost more
+# than the per-message overhead it saved (scripts/bench_kv_transport.py, 128-256 KiB layers)
+DEFAULT_PACK_LAYER_BYTES = 64 << 10
 DEFAULT_CREDIT_BYTES = 64 << 20        # flow-control window per sender connection
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20   # header + payload, checked on receive
 MESSAGE_OVERHEAD = 1024                # credit charged per payload message on top of its bytes
@@ -152,6 +157,7 @@ def accepts_kwargs(fn: Callable, names: Iterable[str]) -> bool:
     return all(n in have for n in names)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MESSAGE_OVERHEAD",
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_LAYER_BYTES", "DEFAULT_CREDIT_BYTES",
+           "DEFAULT_MAX_MESSAGE_BYTES", "MESSAGE_OVERHEAD",
            "DEFAULT_TIMEOUT_S", "DEFAULT_HOST", "TransferError", "TransferTimeout", "DestinationUnavailable",
            "Stats", "WireError", "normalize_dtype", "free_port"]

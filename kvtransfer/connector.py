@@ -23,8 +23,11 @@ attempt: an id already in use on this engine is refused):
    ``kv_transfer_params = {"do_remote_decode": true, "xfer_id": X,
    "remote_addr": <decode engine's listen address>}``.
 2. Producer: every step, after each attention layer, ``save_kv_layer`` pushes
-   the blocks that step wrote for the request (pipelined per layer and per
-   prefill chunk). When the request finishes, ``request_finished`` keeps its
+   the blocks that step wrote for the request, as piece ``(step, layer)`` of
+   the transfer (the wire's ``step`` field; the blocks are logical positions
+   in the request). Large layers go out at once (pipelined per layer and per
+   prefill chunk); small ones are packed and the pack is sent at the end of
+   the step (``wait_for_save``). When the request finishes, ``request_finished`` keeps its
    blocks and the worker sends "done" (with a digest of the prompt's token
    ids) and collects the consumer's ack in the background; only then does
    ``get_finished`` report the request so vLLM frees the blocks. A transfer
@@ -41,7 +44,10 @@ attempt: an id already in use on this engine is refused):
    asynchronously; once transfer X is complete in the receiver, the worker
    checks it against this request and this engine's cache -- the digest of
    the prompt's token ids, the layer count, dtype, block shape and block
-   coverage -- and only then copies it into the blocks vLLM allocated. A
+   coverage -- and only then writes it into the blocks vLLM allocated,
+   straight from the received frames into views of the cache
+   (:mod:`kvtransfer.kvcache`; a CUDA cache through one pinned buffer per
+   transfer, untested on a GPU). A
    transfer that fails any check, fails on the wire or never arrives within
    ``timeout_s`` is a load failure (``failed_recving``): with
    ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally,
@@ -85,6 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import connector_metrics
 from .auth import ClientKeys, ServerKeys
 from .common import TransferError
+from .kvcache import LoadRejected, corrupt_first_block, plan_load, write
 from .receiver import KVReceiver
 from .sender import DestinationUnavailable, KVSender
 
@@ -114,30 +121,49 @@ class TransferParamsError(ValueError):
     pass
 
 
-def parse_params(params: dict | None) -> dict | None:
-    """Validate the ProServe fields of ``kv_transfer_params``; return them or None."""
+@dataclass
+class RequestKV:
+    """Scheduler-side state of one request's KV transfer, from its ``kv_transfer_params``."""
+    #: "produce" (this prefill engine pushes the request's KV), "consume" (this decode engine
+    #: loads it) or "invalid" (malformed params: served without a transfer, the response says why)
+    role: str
+    #: the transfer id the caller issued ("" when invalid)
+    xfer: str = ""
+    #: producer: the decode engine's KV address (tcp://host:port or ipc://path)
+    addr: str = ""
+    #: producer: prompt_digest of the prompt, sent in 'done' and in the response
+    digest: str = ""
+    #: invalid: what is wrong with the params
+    error: str = ""
+    #: producer: why the transfer failed or will not be tried (no more layers are sent; the
+    #: response reports it); None while it is fine
+    failed: str | None = None
+    #: consumer: the prompt was claimed as loaded from outside (a LoadSpec was issued)
+    claimed: bool = False
+
+
+def parse_params(params: dict | None) -> RequestKV | None:
+    """Validate the ProServe fields of ``kv_transfer_params``; None when it asks for
+    no transfer, :class:`TransferParamsError` when they are malformed."""
     if not params:
         return None
     if not isinstance(params, dict):
         raise TransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    out = {}
     if params.get("do_remote_decode"):
-        out["role"] = "produce"
+        role = "produce"
         addr = params.get("remote_addr")
         if not isinstance(addr, str) or not ADDR_RE.match(addr):
             raise TransferParamsError(f"kv_transfer_params.remote_addr must be tcp://host:port or "
                                       f"ipc://path, got {addr!r}")
-        out["addr"] = addr
     elif params.get("do_remote_prefill"):
-        out["role"] = "consume"
+        role, addr = "consume", ""
     else:
         return None
     xfer = params.get("xfer_id")
     if not isinstance(xfer, str) or not XFER_ID_RE.match(xfer):
         raise TransferParamsError(f"kv_transfer_params.xfer_id must be 1-128 characters of "
                                   f"[A-Za-z0-9._:-], got {xfer!r}")
-    out["xfer"] = xfer
-    return out
+    return RequestKV(role, xfer, addr)
 
 
 def prompt_digest(token_ids) -> str:
@@ -214,10 +240,6 @@ class ProServeWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-class LoadRejected(Exception):
-    """A received transfer that must not be injected (wrong request, wrong layout)."""
-
-
 class ProServeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
@@ -234,7 +256,7 @@ class ProServeConnector(KVConnectorBase_V1):
         self.debug_dir = cfg.get_from_extra_config("debug_dump_dir", None)
         self.debug_corrupt = cfg.get_from_extra_config("debug_corrupt", None)  # None | "flip" | "swap"
         # scheduler side
-        self._params: dict[str, dict] = {}             # req_id -> parsed params
+        self._params: dict[str, RequestKV] = {}        # req_id -> its transfer
         self._xfers: dict[str, str] = {}               # xfer id -> req_id, while the id is in use here
         # ids used before on this engine (the worker side remembers failed ids, so a reused
         # one would be skipped silently): one id per attempt, as the dispatcher sends them
@@ -267,48 +289,48 @@ class ProServeConnector(KVConnectorBase_V1):
         rid = request.request_id
         try:
             p = parse_params(request.kv_transfer_params)
-            if p is not None and p["xfer"] in self._xfers:
-                raise TransferParamsError(f"kv_transfer_params.xfer_id {p['xfer']!r} is already in use by "
+            if p is not None and p.xfer in self._xfers:
+                raise TransferParamsError(f"kv_transfer_params.xfer_id {p.xfer!r} is already in use by "
                                           f"another request on this engine (one id per attempt)")
-            if p is not None and p["xfer"] in self._used_xfers:
-                raise TransferParamsError(f"kv_transfer_params.xfer_id {p['xfer']!r} was used by an earlier "
+            if p is not None and p.xfer in self._used_xfers:
+                raise TransferParamsError(f"kv_transfer_params.xfer_id {p.xfer!r} was used by an earlier "
                                           f"request on this engine (one id per attempt)")
         except TransferParamsError as e:
             log.error("request %s: %s; served without KV transfer", rid, e)
-            self._params[rid] = {"role": "invalid", "error": str(e)}
+            self._params[rid] = RequestKV("invalid", error=str(e))
             return
         if p is None:
             return
-        if p["role"] == "produce" and not self.is_producer:
+        if p.role == "produce" and not self.is_producer:
             log.error("request %s asks a consumer engine to produce KV; ignored", rid)
             return
-        if p["role"] == "produce":
-            p["digest"] = prompt_digest(request.prompt_token_ids)
-            down = self._dest_open.get(p["addr"])
+        if p.role == "produce":
+            p.digest = prompt_digest(request.prompt_token_ids)
+            down = self._dest_open.get(p.addr)
             if down is not None and down[0] > time.monotonic():
                 # the breaker is open: do not even try (the response says why)
-                p["failed"] = f"KV destination {p['addr']} unavailable: {down[1]}"
+                p.failed = f"KV destination {p.addr} unavailable: {down[1]}"
         self._params[rid] = p
-        self._xfers[p["xfer"]] = rid
-        self._used_xfers[p["xfer"]] = None
+        self._xfers[p.xfer] = rid
+        self._used_xfers[p.xfer] = None
         while len(self._used_xfers) > USED_XFERS_KEPT:
             self._used_xfers.popitem(last=False)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         p = self._params.get(request.request_id)
-        if p is None or p["role"] != "consume" or p.get("claimed"):
+        if p is None or p.role != "consume" or p.claimed:
             return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         p = self._params.get(request.request_id)
-        if p is None or p["role"] != "consume" or p.get("claimed") or num_external_tokens <= 0:
+        if p is None or p.role != "consume" or p.claimed or num_external_tokens <= 0:
             return
-        p["claimed"] = True
+        p.claimed = True
         block_ids = list(blocks.get_block_ids()[0])
         skip = request.num_computed_tokens // self.block_size
-        self._pending_load.append(LoadSpec(request.request_id, p["xfer"], block_ids, skip,
+        self._pending_load.append(LoadSpec(request.request_id, p.xfer, block_ids, skip,
                                            prompt_digest(request.prompt_token_ids)))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -323,14 +345,14 @@ class ProServeConnector(KVConnectorBase_V1):
         def add_save(req_id: str, computed: int, start: int | None = None) -> None:
             """Send the blocks of tokens [start, computed + this step's tokens)."""
             p = self._params.get(req_id)
-            if p is None or p["role"] != "produce" or p.get("failed"):
+            if p is None or p.role != "produce" or p.failed:
                 return
             n = n_sched.get(req_id, 0)
             if n <= 0:
                 return
             first, last = (computed if start is None else start) // bs, (computed + n - 1) // bs
             blocks = self._blocks[req_id][first:last + 1]
-            meta.saves.append(SaveSpec(req_id, p["xfer"], p["addr"], blocks, first))
+            meta.saves.append(SaveSpec(req_id, p.xfer, p.addr, blocks, first))
 
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._params:
@@ -355,29 +377,29 @@ class ProServeConnector(KVConnectorBase_V1):
         self._blocks.pop(request.request_id, None)
         if p is None:
             return False, None
-        if p["role"] == "invalid":
-            return False, {"error": p["error"]}
-        if p["role"] == "consume":
-            self._release_xfer(p["xfer"], request.request_id)
-            if not p.get("claimed"):
+        if p.role == "invalid":
+            return False, {"error": p.error}
+        if p.role == "consume":
+            self._release_xfer(p.xfer, request.request_id)
+            if not p.claimed:
                 # nothing was loaded (e.g. a one-token prompt, which vLLM computes itself):
                 # drop the transfer from the receiver instead of holding it until its TTL
-                self._pending_discard.append(p["xfer"])
+                self._pending_discard.append(p.xfer)
             return False, None
         from vllm.v1.request import RequestStatus
-        if p.get("failed"):
-            self._release_xfer(p["xfer"], request.request_id)
-            return False, {"xfer_id": p["xfer"], "error": p["failed"], "kv_failed_dest": p["addr"]}
+        if p.failed:
+            self._release_xfer(p.xfer, request.request_id)
+            return False, {"xfer_id": p.xfer, "error": p.failed, "kv_failed_dest": p.addr}
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            self._release_xfer(p["xfer"], request.request_id)
-            self._pending_abort.append((p["xfer"], p["addr"]))   # the receiver drops what it got
-            return False, {"xfer_id": p["xfer"], "error": f"prefill ended with {request.status.name}"}
-        self._pending_finish.append(FinishSpec(request.request_id, p["xfer"], p["addr"],
-                                               request.num_computed_tokens, p["digest"]))
+            self._release_xfer(p.xfer, request.request_id)
+            self._pending_abort.append((p.xfer, p.addr))   # the receiver drops what it got
+            return False, {"xfer_id": p.xfer, "error": f"prefill ended with {request.status.name}"}
+        self._pending_finish.append(FinishSpec(request.request_id, p.xfer, p.addr,
+                                               request.num_computed_tokens, p.digest))
         self._unacked.add(request.request_id)
-        self._sending[request.request_id] = p["xfer"]   # the id stays in use until the worker is done
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "xfer_id": p["xfer"],
-                      "num_tokens": request.num_computed_tokens, "prompt_digest": p["digest"]}
+        self._sending[request.request_id] = p.xfer   # the id stays in use until the worker is done
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "xfer_id": p.xfer,
+                      "num_tokens": request.num_computed_tokens, "prompt_digest": p.digest}
 
     def _release_xfer(self, xfer: str, req_id: str) -> None:
         if self._xfers.get(xfer) == req_id:
@@ -403,9 +425,9 @@ class ProServeConnector(KVConnectorBase_V1):
                 self._dest_open.pop(dest, None)
         for xfer, (dest, err) in meta.failed.items():
             p = self._params.get(self._xfers.get(xfer, ""))
-            if p is not None and p["role"] == "produce" and not p.get("failed"):
+            if p is not None and p.role == "produce" and not p.failed:
                 # still being prefilled: stop sending; its response reports the failure
-                p["failed"] = f"KV transfer to {dest} failed: {err}"
+                p.failed = f"KV transfer to {dest} failed: {err}"
 
     # ================================== worker side =====================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -494,9 +516,8 @@ class ProServeConnector(KVConnectorBase_V1):
         if layer is None:
             return
         # a request's prompt may be computed over several steps (chunked prefill), so the
-        # same layer is sent once per step: the wire "layer" is step·L + layer, which keeps
-        # the pieces distinct and ordered; the blocks sent are logical indices in the request
-        wire_layer = self._step * len(self._layer_index) + layer
+        # same layer is sent once per step: (step, layer) names the piece on the wire; the
+        # blocks sent are logical indices in the request
         for s in meta.saves:
             if s.xfer in self._failed_xfers:
                 continue   # one deadline per transfer: a failed one is not retried layer by layer
@@ -508,8 +529,9 @@ class ProServeConnector(KVConnectorBase_V1):
             if self.debug_dir:
                 _dump(self.debug_dir, s.xfer, f"sent_l{layer}_b{s.first_block}_n{data.shape[0]}", data)
             try:
-                self._sender(s.addr).send_layer(s.xfer, wire_layer,
-                                                list(range(s.first_block, s.first_block + data.shape[0])), data)
+                self._sender(s.addr).send_layer(s.xfer, layer,
+                                                list(range(s.first_block, s.first_block + data.shape[0])), data,
+                                                step=self._step)
                 self.metrics.sent(data.numel() * data.element_size())
             except Exception as e:  # a dead peer must not take the engine down
                 self._transfer_failed(s.xfer, s.addr, e)
@@ -520,6 +542,13 @@ class ProServeConnector(KVConnectorBase_V1):
             return
         if meta.saves:
             self._step += 1
+        for s in meta.saves:
+            # small layers were packed: send this step's pack now, while the next step runs
+            if s.xfer not in self._failed_xfers:
+                try:
+                    self._sender(s.addr).flush(s.xfer)
+                except Exception as e:  # noqa: BLE001 -- a dead peer must not take the engine down
+                    self._transfer_failed(s.xfer, s.addr, e)
         for f in meta.finishes:
             if f.xfer in self._failed_xfers:
                 self._done_sending.add(f.req_id)   # nothing to wait for: vLLM may free the blocks
@@ -617,72 +646,23 @@ class ProServeConnector(KVConnectorBase_V1):
                 self.metrics.destination(addr, ok)
         return meta if (meta.failed or meta.dests) else None
 
-    # -- consumer: check, then inject --------------------------------------------------------
-    def _check(self, ld: LoadSpec, result) -> list[tuple[int, int, Any]]:
-        """The received transfer as (layer, first logical block, LayerData) pieces, after
-        checking it belongs to this request and fits this engine's cache; raises
-        :class:`LoadRejected` otherwise. Nothing is written before this passes."""
+    # -- consumer: check, then write straight into the cache ------------------------------------
+    def _inject(self, ld: LoadSpec, result) -> None:
+        """Write a received transfer into the blocks vLLM allocated for the request:
+        checked first (it belongs to this request, fits this engine's cache and
+        covers the request's blocks; :class:`LoadRejected` otherwise, with nothing
+        written), then each received chunk is copied once, from the received
+        frame into views of the cache (:mod:`kvtransfer.kvcache`)."""
         if not result.digest or result.digest != ld.digest:
             raise LoadRejected(f"transfer {ld.xfer!r} was made for another prompt (digest "
                                f"{result.digest[:12] or 'missing'} != {ld.digest[:12]})")
-        names = list(self._kv_caches)
-        L = len(names)
-        need = range(ld.skip_blocks, len(ld.block_ids))
-        covered: list[set[int]] = [set() for _ in range(L)]
-        pieces = []
-        for wire_layer in sorted(result.layers):        # step order: later pieces win
-            part = result.layers[wire_layer]
-            layer = wire_layer % L
-            dst = self._kv_caches[names[layer]]
-            dtype = str(dst.dtype).removeprefix("torch.")
-            if part.dtype != dtype:
-                raise LoadRejected(f"layer {layer}: dtype {part.dtype} does not match this engine's {dtype}")
-            block_shape = tuple(s for i, s in enumerate(dst.shape) if i != self._block_dim)
-            if len(part.shape) != len(block_shape) + 1 or tuple(part.shape[1:]) != block_shape:
-                raise LoadRejected(f"layer {layer}: block shape {list(part.shape[1:])} does not match this "
-                                   f"engine's {list(block_shape)} (same model, block size and dtype on both sides?)")
-            blocks = part.blocks
-            n = part.shape[0]
-            if n == 0:
-                continue
-            first = blocks[0] if blocks else 0
-            if blocks != list(range(first, first + n)):
-                raise LoadRejected(f"layer {layer}: block positions {blocks[:8]} are not the {n} consecutive "
-                                   f"positions its data holds")
-            if first + n > len(ld.block_ids):
-                raise LoadRejected(f"layer {layer}: blocks {first}..{first + n - 1} lie beyond this request's "
-                                   f"{len(ld.block_ids)} blocks")
-            covered[layer].update(range(first, first + n))
-            pieces.append((layer, first, part))
-        for layer, got in enumerate(covered):
-            missing = [b for b in need if b not in got]
-            if missing:
-                raise LoadRejected(f"layer {layer}: {len(missing)} of this request's blocks were not sent "
-                                   f"(first missing: {missing[0]})")
-        return pieces
-
-    def _inject(self, ld: LoadSpec, result) -> None:
-        """Copy received blocks into the paged cache at the blocks vLLM allocated."""
-        pieces = self._check(ld, result)
-        names = list(self._kv_caches)
-        chunks = [(layer, first, part.tensor().reshape(part.shape)) for layer, first, part in pieces]
-        if self.debug_corrupt and chunks:
-            chunks[0] = _corrupt(chunks[0], self.debug_corrupt)
-        for layer, first_block, data in chunks:
-            dst = self._kv_caches[names[layer]]
-            n = data.shape[0]
-            lo = max(first_block, ld.skip_blocks)
-            hi = min(first_block + n, len(ld.block_ids))
-            if lo >= hi:
-                continue
-            src = data[lo - first_block:hi - first_block].to(dst.device)
-            idx = torch.tensor(ld.block_ids[lo:hi], dtype=torch.long, device=dst.device)
-            if self._block_dim != 0:
-                src = src.movedim(0, self._block_dim)
-            dst.index_copy_(self._block_dim, idx, src)
+        caches = list(self._kv_caches.values())
+        copies = plan_load(result.pieces, caches, self._block_dim, ld.block_ids, ld.skip_blocks)
+        write(copies, caches, self._block_dim, ld.block_ids, ld.skip_blocks)
+        if self.debug_corrupt:
+            corrupt_first_block(copies, caches, self._block_dim, ld.block_ids, ld.skip_blocks, self.debug_corrupt)
         if self.debug_dir:
-            for layer, name in enumerate(names):
-                dst = self._kv_caches[name]
+            for layer, dst in enumerate(caches):
                 idx = torch.tensor(ld.block_ids[ld.skip_blocks:], dtype=torch.long, device=dst.device)
                 got = dst.index_select(self._block_dim, idx)
                 if self._block_dim != 0:
@@ -705,15 +685,3 @@ def _dump(root: str, xfer: str, name: str, t: torch.Tensor) -> None:
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, name + ".bin"), "wb") as f:
         f.write(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def _corrupt(chunk, how: str):
-    """Test hook: swap the first two blocks ("swap"), or negate every value of the
-    first block ("flip")."""
-    layer, first_block, data = chunk
-    data = data.clone()
-    if how == "swap" and data.shape[0] >= 2:
-        data[[0, 1]] = data[[1, 0]]
-    else:
-        data[0] = -data[0]
-    return layer, first_block, data

@@ -24,24 +24,28 @@ from .common import (DEFAULT_CREDIT_BYTES, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYT
 from .wire import DTYPES, SENDER_KINDS, WireError
 
 _POLL_MS = 100  # the receiver thread goes round its loop at least this often (heartbeat)
+_EMPTY = memoryview(b"")
 
 
 @dataclass
 class ChunkData:
+    """One received part: chunk ``seq`` of a piece, at byte ``offset`` in it."""
     seq: int
     offset: int
     shape: tuple
     blocks: list
-    data: memoryview
+    data: memoryview        # its bytes (a zero-copy view of the received frame; empty with on_chunk)
 
 
 @dataclass
 class LayerData:
+    """One piece of a transfer: the KV engine step ``step`` computed for layer ``layer``."""
     layer: int
     dtype: str
-    shape: tuple            # whole layer
+    shape: tuple            # the whole piece
     chunks: list            # [ChunkData] by seq
     nbytes: int = 0
+    step: int = 0
 
     @property
     def blocks(self) -> list[int]:
@@ -87,7 +91,8 @@ class TransferResult:
     error: str | None
     chunks: int
     nbytes: int
-    layers: dict = field(default_factory=dict)   # layer -> LayerData (empty with on_chunk or on error)
+    #: (step, layer) -> LayerData; empty with on_chunk or on error
+    pieces: dict = field(default_factory=dict)
     elapsed_s: float = 0.0                       # first message -> done
     digest: str = ""                             # the sender's opaque 'done' digest (see kvtransfer.wire)
 
@@ -96,26 +101,24 @@ class TransferResult:
             raise TransferError(f"transfer {self.xfer_id!r} failed: {self.error}")
         return self
 
-    def layer_array(self, layer: int) -> np.ndarray:
-        return self.layers[layer].array()
+    def layer_array(self, layer: int, step: int = 0) -> np.ndarray:
+        return self.pieces[step, layer].array()
 
-    def layer_bytes(self, layer: int) -> bytes:
-        return self.layers[layer].tobytes()
+    def layer_bytes(self, layer: int, step: int = 0) -> bytes:
+        return self.pieces[step, layer].tobytes()
 
 
+@dataclass(slots=True, eq=False)
 class _RxTransfer:
     """An open (partial) transfer, owned by the peer that sent its first message."""
-    __slots__ = ("xfer_id", "peer", "layers", "chunks", "nbytes", "held", "t0", "last")
-
-    def __init__(self, xfer_id: str, peer: bytes, now: float):
-        self.xfer_id = xfer_id
-        self.peer = peer
-        self.layers: dict[int, LayerData] = {}
-        self.chunks = 0
-        self.nbytes = 0
-        self.held = 0      # what its kept chunks count in _held / _peer_held (see chunk_held_bytes)
-        self.t0 = now
-        self.last = now
+    xfer_id: str
+    peer: bytes             # routing id of the owning connection
+    t0: float               # first message (monotonic)
+    last: float             # last data (monotonic; stale_after_s counts from it)
+    pieces: dict = field(default_factory=dict)   # (step, layer) -> LayerData
+    chunks: int = 0         # parts received
+    nbytes: int = 0         # payload bytes received
+    held: int = 0           # what its kept chunks count in _held / _peer_held (see chunk_held_bytes)
 
 
 class _Peer:
@@ -232,13 +235,15 @@ class KVReceiver:
     With ``on_chunk=None`` the chunks of each transfer are kept (zero-copy
     ZeroMQ frames) and handed over by :meth:`wait` as a :class:`TransferResult`.
     Otherwise ``on_chunk(xfer_id, layer, seq, blocks, buf, dtype, shape)`` is
-    called on the receiver thread for every chunk (``buf`` is a memoryview valid
-    during the call: copy it into the destination KV blocks); if the callable
-    also accepts ``offset`` and ``layer_shape`` keywords (or ``**kwargs``), they
-    are passed too (byte offset of the chunk in the layer, whole-layer shape). An
-    exception from the callback fails that transfer. The ``ack`` that lets the
-    sender free its blocks goes out as soon as the transfer is complete (all
-    chunks received and consumed), from the receiver thread.
+    called on the receiver thread for every chunk (every part of a message;
+    ``buf`` is a memoryview valid during the call: copy it into the destination
+    KV blocks); each of the keywords ``offset`` (byte offset of the chunk in its
+    piece), ``layer_shape`` (the whole piece's shape) and ``step`` (the engine
+    step of the piece) is passed too if the callable accepts it (or
+    ``**kwargs``). An exception from the callback fails that transfer. The
+    ``ack`` that lets the sender free its blocks goes out as soon as the
+    transfer is complete (all chunks received and consumed), from the receiver
+    thread.
 
     Bounds (each a constructor argument; see ``kvtransfer.transport`` for how
     the ZeroMQ options derive from them):
@@ -314,7 +319,9 @@ class KVReceiver:
         self.heartbeat_path = os.fspath(heartbeat_path) if heartbeat_path is not None else None
         self.curve = curve is not None
         self._on_chunk = on_chunk
-        self._chunk_kwargs = on_chunk is not None and accepts_kwargs(on_chunk, ("offset", "layer_shape"))
+        # the optional keywords on_chunk takes (offset, layer_shape, step)
+        self._chunk_kwargs = tuple(k for k in ("offset", "layer_shape", "step")
+                                   if on_chunk is not None and accepts_kwargs(on_chunk, (k,)))
         self.stats = Stats(*_RECEIVER_STATS)
         self._cond = threading.Condition()
         self._results: dict[str, _Stored] = {}           # guarded by _cond
@@ -631,7 +638,7 @@ class KVReceiver:
             return
         kind = msg.kind
         if kind == "kv":
-            self._on_kv(peer, msg.header, msg.payload[0])
+            self._on_kv(peer, msg)
         elif kind == "done":
             self._on_done(peer, msg.header)
         elif kind == "abort":
@@ -702,9 +709,10 @@ class KVReceiver:
                          f"{len(self._open)} open + {len(self._results)} uncollected transfers, limit "
                          f"{self.max_open_transfers}", x)
             return None
-        return _RxTransfer(x, peer, now)
+        return _RxTransfer(x, peer, now, now)
 
-    def _on_kv(self, peer: bytes, h: dict, buf: memoryview) -> None:
+    def _on_kv(self, peer: bytes, msg: wire.Message) -> None:
+        h = msg.header
         x = h["xfer"]
         now = self.heartbeat
         t = self._open.get(x)
@@ -716,24 +724,12 @@ class KVReceiver:
         elif t.peer != peer:
             self._reject(peer, "peer_mismatch", f"chunk for transfer {x!r}, which belongs to another sender", x)
             return
-        layer, seq = h["layer"], h["seq"]
-        lshape = tuple(h["lshape"])
-        L = t.layers.get(layer)
-        if L is None:
-            L = t.layers[layer] = LayerData(layer, h["dtype"], lshape, [])
-        elif L.dtype != h["dtype"] or L.shape != lshape:
-            self._reject(peer, "layer_mismatch", f"transfer {x!r} layer {layer}: dtype/shape differ between chunks",
-                         x, fail=True)
-            return
-        if L.chunks and seq <= L.chunks[-1].seq:
-            self._reject(peer, "bad_seq", f"transfer {x!r} layer {layer}: chunk seq {seq} out of order/duplicate",
-                         x, fail=True)
-            return
-        nbytes = h["nbytes"]
-        shape = tuple(h["shape"])
-        # every kept chunk counts against the caps: its payload (unless on_chunk takes it)
-        # and its bookkeeping, so that empty chunks cannot grow memory without bound either
-        held = chunk_held_bytes(0 if self._on_chunk is not None else nbytes, len(h["blocks"]))
+        parts, sizes = h["parts"], msg.sizes
+        on_chunk = self._on_chunk
+        # every kept part counts against the caps: its payload (unless on_chunk takes it)
+        # and its bookkeeping, so that empty parts cannot grow memory without bound either
+        held = sum(chunk_held_bytes(0 if on_chunk is not None else n, len(p["blocks"]))
+                   for p, n in zip(parts, sizes))
         with self._cond:
             if self._held + held > self.max_held_bytes:
                 full = ("receiver_full", f"holding {self._held} bytes, limit {self.max_held_bytes}")
@@ -748,29 +744,46 @@ class KVReceiver:
         if full:
             self._reject(peer, full[0], full[1], x, fail=True)
             return
-        t.held += held
-        if self._on_chunk is not None:
-            try:
-                if self._chunk_kwargs:
-                    self._on_chunk(x, layer, seq, h["blocks"], buf, h["dtype"], shape,
-                                   offset=h["offset"], layer_shape=lshape)
-                else:
-                    self._on_chunk(x, layer, seq, h["blocks"], buf, h["dtype"], shape)
-            except Exception as e:
-                log.exception("kvtransfer receiver: on_chunk failed for %r layer %d seq %d", x, layer, seq)
-                self._finish(x, t, False, f"on_chunk raised {type(e).__name__}: {e}", "failed")
-                self._nack(peer, x, f"destination write failed: {e}")
+        t.held += held   # released with the transfer if any part below fails it
+        buf = msg.payload[0]
+        pos = 0
+        for p, n in zip(parts, sizes):
+            step, layer, seq, dtype = p["step"], p["layer"], p["seq"], p["dtype"]
+            lshape = tuple(p["lshape"])
+            L = t.pieces.get((step, layer))
+            if L is None:
+                L = t.pieces[step, layer] = LayerData(layer, dtype, lshape, [], step=step)
+            elif L.dtype != dtype or L.shape != lshape:
+                self._reject(peer, "layer_mismatch", f"transfer {x!r} layer {layer} of step {step}: dtype/shape "
+                                                     f"differ between chunks", x, fail=True)
                 return
-            L.chunks.append(ChunkData(seq, h["offset"], shape, h["blocks"], memoryview(b"")))
-        else:
-            L.chunks.append(ChunkData(seq, h["offset"], shape, h["blocks"], buf))
-        L.nbytes += nbytes
-        t.chunks += 1
-        t.nbytes += nbytes
+            if L.chunks and seq <= L.chunks[-1].seq:
+                self._reject(peer, "bad_seq", f"transfer {x!r} layer {layer} of step {step}: chunk seq {seq} out "
+                                              f"of order/duplicate", x, fail=True)
+                return
+            data = buf[pos:pos + n]
+            pos += n
+            shape = tuple(p["shape"])
+            if on_chunk is not None:
+                try:
+                    kw = {k: v for k, v in (("offset", p["offset"]), ("layer_shape", lshape), ("step", step))
+                          if k in self._chunk_kwargs} if self._chunk_kwargs else {}
+                    on_chunk(x, layer, seq, p["blocks"], data, dtype, shape, **kw)
+                except Exception as e:
+                    log.exception("kvtransfer receiver: on_chunk failed for %r layer %d step %d seq %d",
+                                  x, layer, step, seq)
+                    self._finish(x, t, False, f"on_chunk raised {type(e).__name__}: {e}", "failed")
+                    self._nack(peer, x, f"destination write failed: {e}")
+                    return
+                data = _EMPTY
+            L.chunks.append(ChunkData(seq, p["offset"], shape, p["blocks"], data))
+            L.nbytes += n
+        t.chunks += len(parts)
+        t.nbytes += pos
         t.last = now
         c = self.stats.c
-        c["chunks_received"] += 1
-        c["bytes_received"] += nbytes
+        c["chunks_received"] += len(parts)
+        c["bytes_received"] += pos
 
     def _on_done(self, peer: bytes, h: dict) -> None:
         x = h["xfer"]
@@ -785,21 +798,21 @@ class KVReceiver:
             self._reject(peer, "peer_mismatch", f"'done' for transfer {x!r}, which belongs to another sender", x)
             return
         problem = None
-        if (t.chunks, len(t.layers), t.nbytes) != (h["chunks"], h["layers"], h["nbytes"]):
+        if (t.chunks, len(t.pieces), t.nbytes) != (h["chunks"], h["layers"], h["nbytes"]):
             problem = (f"truncated: sender announced {h['chunks']} chunks / {h['layers']} layers / "
-                       f"{h['nbytes']} bytes, received {t.chunks} / {len(t.layers)} / {t.nbytes}")
+                       f"{h['nbytes']} bytes, received {t.chunks} / {len(t.pieces)} / {t.nbytes}")
         else:
-            for L in t.layers.values():
+            for L in t.pieces.values():
                 want = wire.prod(L.shape) * DTYPES[L.dtype]
                 pos = 0
                 for i, c in enumerate(L.chunks):
                     n = wire.prod(c.shape) * DTYPES[L.dtype]
                     if c.seq != i or c.offset != pos:
-                        problem = f"layer {L.layer}: chunk {c.seq} missing or misplaced"
+                        problem = f"layer {L.layer} of step {L.step}: chunk {c.seq} missing or misplaced"
                         break
                     pos += n
                 if problem is None and pos != want:
-                    problem = f"truncated: layer {L.layer} has {pos} of {want} bytes"
+                    problem = f"truncated: layer {L.layer} of step {L.step} has {pos} of {want} bytes"
                 if problem:
                     break
         if problem is None:
@@ -858,7 +871,7 @@ class KVReceiver:
                 self._release(t.peer, t.held)  # partial data (or on_chunk bookkeeping) dropped
         # a kept result stays counted in _held until collected (see _pop_result)
         res = TransferResult(x, ok, error, t.chunks if t else 0, t.nbytes if t else 0,
-                             t.layers if keep else {}, (now - t.t0) if t else 0.0, digest)
+                             t.pieces if keep else {}, (now - t.t0) if t else 0.0, digest)
         self.stats.add({"completed": "transfers_completed", "failed": "transfers_failed",
                         "aborted": "transfers_aborted", "abandoned": "transfers_abandoned",
                         "stale": "transfers_stale"}[how])

@@ -8,7 +8,8 @@ import select
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -17,12 +18,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .auth import ClientKeys, is_loopback
-from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD,
+from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PACK_BYTES, DEFAULT_PACK_LAYER_BYTES,
+                     DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD,
                      MIN_CREDIT_BYTES, MIN_MAX_MESSAGE_BYTES, DestinationUnavailable, Stats, TransferError,
                      TransferTimeout, is_torch_tensor, log, log_reject, normalize_dtype)
 from .wire import DTYPES, RECEIVER_KINDS, WireError
 
 _INT_ONLY = {int}
+# plain ints: the enum flags cost a few microseconds per use, on a path taken per layer
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 # ---------------------------------------------------------------- chunk planning
 
@@ -82,6 +87,11 @@ class _HostSource:
             return self.flat
         return self.flat[spec.offset:spec.offset + spec.nbytes]
 
+    def copy_into(self, dst: np.ndarray) -> None:
+        """Copy the whole layer into ``dst`` (uint8, the layer's size): packing."""
+        if dst.nbytes:
+            dst[:] = np.frombuffer(self.flat, dtype=np.uint8)
+
 
 class _DeviceSource:
     """A tensor on an accelerator (cuda, npu, xpu, ...), staged chunk by chunk
@@ -94,6 +104,13 @@ class _DeviceSource:
     def chunk(self, spec: ChunkSpec, deadline: float) -> Any:
         src = self.t if spec.rows is None else self.t.reshape(-1, *spec.shape[1:])[spec.rows[0]:spec.rows[1]]
         return self.stager.stage(src, spec.nbytes, deadline)
+
+    def copy_into(self, dst: np.ndarray) -> None:
+        """Copy the whole layer into ``dst`` (uint8 host memory, the layer's size):
+        a synchronous device->host copy (packing)."""
+        if dst.nbytes:
+            import torch
+            torch.from_numpy(dst).view(self.t.dtype).view(self.t.shape).copy_(self.t)
 
 
 class _Stager:
@@ -144,6 +161,36 @@ class _Stager:
                 log.debug("kvtransfer: pinned staging unavailable (%s); using pageable memory", e)
                 self.pinned = False
         return torch.empty(n, dtype=torch.uint8)
+
+
+class _PackPool:
+    """Reusable pack buffers: fresh memory costs a page fault per 4 KiB touched
+    (about as much as sending the bytes, on the 2-core VM). A buffer is sent
+    zero-copy through a view of it; when ZeroMQ releases the message, the view
+    is freed and its ``weakref.finalize`` hands the buffer back here (on
+    pyzmq's garbage-collection thread: list operations only)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self.free: list[np.ndarray] = []
+
+    def get(self, nbytes: int) -> np.ndarray:
+        while self.free:
+            buf = self.free.pop()
+            if buf.nbytes >= nbytes:
+                return buf
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def send_view(self, buf: np.ndarray, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of ``buf``, to be sent; ``buf`` returns to the pool
+        once the view is gone."""
+        view = buf[:nbytes]
+        weakref.finalize(view, self.put, buf)
+        return view
+
+    def put(self, buf: np.ndarray) -> None:
+        if len(self.free) < self.keep:
+            self.free.append(buf)
 
 
 def make_source(data: Any, dtype: Any, shape: Any, stager: _Stager, stats: Stats):
@@ -221,9 +268,21 @@ class SendResult:
 #: The least payload a chunk may carry (or the whole layer, when smaller) once the
 #: header is accounted for, under the receiver's announced max_message.
 MIN_CHUNK_PAYLOAD = 1024
+#: An upper bound of a 'kv' header's bytes beyond its parts (the transfer id is at most 512 chars).
+MESSAGE_HEADER_BOUND = 1024
+
+
+def _part_header_bound(n_blocks: int, ndim: int) -> int:
+    """An upper bound of what one part adds to a 'kv' header, in bytes."""
+    return 128 + 10 * n_blocks + 20 * ndim
+
+
 #: Failed transfers remembered (so later calls for them fail at once) until the
 #: caller finishes or aborts them; beyond this many the oldest are forgotten.
 MAX_FAILED_KEPT = 4096
+#: a call for an open transfer reads the receiver's replies (a nack?) at most this often
+#: unless it waits for credit anyway (reading them costs microseconds per layer)
+PUMP_INTERVAL_S = 0.001
 #: replies read per _pump call at most (a flooding receiver cannot hold the caller there)
 PUMP_MAX_MESSAGES = 1024
 #: A DEALER's receive queue limit, in messages: only small control messages come
@@ -253,6 +312,7 @@ class _Channel:
         self.credit = 0
         self.inflight = 0
         self.last_rx = 0.0
+        self.pumped = 0.0            # when replies were last read (monotonic)
         # circuit breaker
         self.state = CLOSED
         self.failures = 0            # consecutive
@@ -260,21 +320,28 @@ class _Channel:
         self.open_until = 0.0        # monotonic
 
 
+@dataclass(eq=False)
 class _TxTransfer:
-    def __init__(self, xfer_id: str, ch: _Channel, budget: float):
-        self.xfer_id = xfer_id
-        self.channel = ch
-        self.generation = ch.generation
-        self.chunks = 0
-        self.layers: set[int] = set()
-        self.nbytes = 0
-        self.state = "open"  # open -> done_sent -> acked | failed
-        self.error: str | None = None
-        self.error_cls: type[TransferError] = TransferError
-        self.t0 = time.monotonic()
-        self.budget = budget                     # seconds it may still spend waiting in our calls, all together
-        self.ack_deadline: float | None = None   # set by finish_async: now + what is left of the budget
-        self.done_at = 0.0
+    """A transfer on the sender side, from its first call to finish/abort."""
+    xfer_id: str
+    channel: _Channel
+    budget: float                  # seconds it may still spend waiting in our calls, all together
+    generation: int = 0            # the channel's generation it was started on (a reset fails it)
+    chunks: int = 0                # parts sent (a chunk of a large layer, or one packed small layer)
+    pieces: set = field(default_factory=set)   # (step, layer) sent
+    nbytes: int = 0                # payload bytes sent
+    state: str = "open"            # open -> done_sent -> acked | failed
+    error: str | None = None
+    error_cls: type = TransferError
+    t0: float = field(default_factory=time.monotonic)
+    ack_deadline: float | None = None   # set by finish_async: now + what is left of the budget
+    done_at: float = 0.0
+    # the pack being filled: small layers copied back to back into pack_buf, one part each;
+    # sent as one 'kv' message when full, by flush() and before 'done'
+    pack_buf: np.ndarray | None = None
+    pack_pos: int = 0              # bytes used in pack_buf
+    pack_parts: list = field(default_factory=list)
+    pack_header: int = 0           # bound of the header bytes its parts take (for max_message)
 
 
 class KVSender:
@@ -326,18 +393,25 @@ class KVSender:
     """
 
     def __init__(self, address: str | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 pack_bytes: int = DEFAULT_PACK_BYTES, pack_layer_bytes: int = DEFAULT_PACK_LAYER_BYTES,
                  timeout: float = DEFAULT_TIMEOUT_S, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  breaker_cooldown_s: float = 2.0, breaker_max_cooldown_s: float = 30.0,
                  staging_slots: int = 2, curve: ClientKeys | None = None, allow_insecure_remote: bool = False,
                  ctx: zmq.Context | None = None, name: str | None = None):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
+        if pack_bytes < 0 or pack_layer_bytes < 0:
+            raise ValueError("pack_bytes and pack_layer_bytes must be >= 0 (0: no packing)")
         for arg, v in (("timeout", timeout), ("connect_timeout", connect_timeout),
                        ("breaker_cooldown_s", breaker_cooldown_s), ("breaker_max_cooldown_s", breaker_max_cooldown_s)):
             if not v > 0:
                 raise ValueError(f"{arg} must be > 0, got {v!r}")
         self.address = address
         self.chunk_bytes = int(chunk_bytes)
+        # a pack is one message: at most chunk_bytes of payload too; a layer is packed
+        # only if at least two fit in a pack (pack_bytes=0: no packing)
+        self.pack_bytes = min(int(pack_bytes), self.chunk_bytes)
+        self.pack_layer_bytes = min(int(pack_layer_bytes), self.pack_bytes // 2)
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.breaker_cooldown_s = float(breaker_cooldown_s)
@@ -357,12 +431,13 @@ class KVSender:
         self._tx: dict[str, _TxTransfer] = {}
         self._failed: collections.OrderedDict[str, _TxTransfer] = collections.OrderedDict()
         self._stager = _Stager(staging_slots)
+        self._packs = _PackPool()
         self._closed = False
-        self.stats = Stats("bytes_sent", "chunks_sent", "layers_sent", "transfers_started", "transfers_acked",
-                           "transfers_failed", "transfers_aborted", "transfers_refused", "timeouts",
-                           "credit_waits", "credit_wait_s", "max_inflight_bytes", "contiguous_copies",
-                           "channel_resets", "connect_timeouts", "connection_resets", "handshake_failures",
-                           "breaker_opens")
+        self.stats = Stats("bytes_sent", "chunks_sent", "messages_sent", "layers_sent", "layers_packed",
+                           "transfers_started", "transfers_acked", "transfers_failed", "transfers_aborted",
+                           "transfers_refused", "timeouts", "credit_waits", "credit_wait_s", "max_inflight_bytes",
+                           "contiguous_copies", "channel_resets", "connect_timeouts", "connection_resets",
+                           "handshake_failures", "breaker_opens")
 
     # ------------------------------------------------------------------ public
 
@@ -384,10 +459,18 @@ class KVSender:
             self._open_transfer(xfer_id, dest)
 
     def send_layer(self, xfer_id: str, layer: int, blocks: Sequence[int], data: Any, dtype: Any = None,
-                   shape: Sequence[int] | None = None, *, dest: str | None = None,
+                   shape: Sequence[int] | None = None, *, step: int = 0, dest: str | None = None,
                    timeout: float | None = None) -> int:
-        """Send one layer's KV for transfer ``xfer_id``, split into chunks of at most
-        ``chunk_bytes``; returns the number of chunks.
+        """Send one layer's KV for transfer ``xfer_id``; returns the number of parts
+        it went out as (1 for a packed layer).
+
+        ``step``: the engine step that computed this KV (a prompt prefilled in
+        several chunks sends each layer once per step); each ``(step, layer)``
+        may be sent once per transfer. A layer of at most ``pack_layer_bytes``
+        is copied into the transfer's pack (small layers travel together, one
+        message of up to ``pack_bytes``; sent when full, by :meth:`flush` and
+        before ``done``); a larger one is sent at once, split into chunks of at
+        most ``chunk_bytes``.
 
         ``data``: numpy array, bytes-like (``dtype`` and ``shape`` then required),
         or torch tensor on any device (CPU: zero-copy; others: staged through
@@ -400,8 +483,9 @@ class KVSender:
         receiver rejected it), and :class:`DestinationUnavailable` for a new
         transfer while the destination's breaker is open."""
         _check_xfer_id(xfer_id)
-        if type(layer) is not int or layer < 0:
-            raise ValueError(f"layer must be an int >= 0, got {layer!r}")
+        for name, v in (("layer", layer), ("step", step)):
+            if type(v) is not int or not 0 <= v <= wire.MAX_INDEX:
+                raise ValueError(f"{name} must be an int in 0..{wire.MAX_INDEX}, got {v!r}")
         blocks = list(blocks)
         if blocks and not (set(map(type, blocks)) == _INT_ONLY and min(blocks) >= 0):
             blocks = [int(b) for b in blocks]  # numpy / torch integers
@@ -410,82 +494,27 @@ class KVSender:
         call_start = time.monotonic()
         with self._lock:
             src, dtype_name, lshape = make_source(data, dtype, shape, self._stager, self.stats)
-            isz = DTYPES[dtype_name]
             tx = self._open_transfer(xfer_id, dest)
-            if layer in tx.layers:
-                raise ValueError(f"transfer {xfer_id!r}: layer {layer} was already sent")
-            deadline = call_start + (tx.budget if timeout is None else min(tx.budget, timeout))
-            ch = tx.channel
-            try:
-                if not ch.ready:
-                    self._wait(ch, lambda: ch.ready, deadline, tx,
-                               f"no credit grant from the receiver at {ch.address} (not running?)")
-                self._check_usable(tx)
-                header_room = 1024 + 10 * len(blocks) + 20 * len(lshape)
-                layer_bytes = wire.prod(lshape) * isz
-                if ch.max_message - header_room < min(layer_bytes, MIN_CHUNK_PAYLOAD):
-                    # else the layer would go out in chunks of a few bytes each: millions of
-                    # messages, CPU time no wait budget bounds, the forward pass stalled
-                    raise TransferError(
-                        f"the receiver at {ch.address} accepts messages of at most {ch.max_message} bytes, "
-                        f"too small for chunks of this layer ({len(blocks)} block ids in each header): "
-                        f"raise its max_message_bytes")
-                # at most half the window: the receiver returns credit in batches of
-                # a quarter window, so a chunk always fits once the pipe has drained
-                chunk = max(isz, min(self.chunk_bytes, ch.window // 2 - MESSAGE_OVERHEAD,
-                                     ch.max_message - header_room))
-                specs = plan_chunks(lshape, isz, chunk, blocks)
-                tx.layers.add(layer)
-                lshape_l = list(lshape)
-                sock = ch.sock
-                c = self.stats.c
-                for spec in specs:
-                    cost = spec.nbytes + MESSAGE_OVERHEAD
-                    if ch.credit < cost:
-                        self._pump(ch)
-                    if ch.credit < cost:
-                        self.stats.add("credit_waits")
-                        t0 = time.monotonic()
-                        self._wait(ch, lambda: ch.credit >= cost, deadline, tx,
-                                   f"out of flow-control credit for {ch.address} ({ch.inflight} bytes in "
-                                   f"flight, window {ch.window}): receiver stalled or gone")
-                        self.stats.add("credit_wait_s", time.monotonic() - t0)
-                    self._check_usable(tx)
-                    payload = src.chunk(spec, deadline)
-                    header = wire.encode_kv(xfer_id, layer, spec.seq, spec.blocks, dtype_name, spec.shape,
-                                            spec.nbytes, spec.offset, lshape_l)
-                    if ch.sock is not sock:  # dropped meanwhile (by another thread, or while pumping)
-                        self._fail(tx, f"connection to {ch.address} was reset")
-                        self._check_usable(tx)
-                    sock.send(header, zmq.SNDMORE)
-                    sock.send(payload, copy=False)
-                    ch.credit -= cost
-                    ch.inflight += cost
-                    tx.chunks += 1
-                    tx.nbytes += spec.nbytes
-                    c["chunks_sent"] += 1
-                    c["bytes_sent"] += spec.nbytes
-                    if ch.inflight > c["max_inflight_bytes"]:
-                        c["max_inflight_bytes"] = ch.inflight
-                if self._waiters:
-                    self._pump(ch)  # sending may have eaten the fd signal a sleeper waits for
-            except TransferError as e:
-                if tx.state != "failed":  # e.g. the staging buffer wait timed out
-                    if isinstance(e, TransferTimeout):
-                        self._on_timeout(tx, str(e), call_start)
-                    else:
-                        self._fail(tx, str(e))
-                        self._send_abort(tx, "sender failed mid-layer")
-                raise
-            except BaseException as e:  # a layer half sent: the transfer cannot complete
-                if tx.state != "failed":
-                    self._fail(tx, f"send_layer failed: {type(e).__name__}: {e}")
-                    self._send_abort(tx, "sender failed mid-layer")
-                raise
-            finally:
-                tx.budget -= time.monotonic() - call_start   # what this call spent of the wait budget
-            c["layers_sent"] += 1
-            return len(specs)
+            key = (step, layer)
+            if key in tx.pieces:
+                raise ValueError(f"transfer {xfer_id!r}: layer {layer} of step {step} was already sent")
+            return self._guarded(tx, call_start, timeout, lambda deadline: self._send_layer(
+                tx, key, blocks, src, dtype_name, lshape, deadline))
+
+    def flush(self, xfer_id: str, timeout: float | None = None) -> None:
+        """Send the small layers packed so far for ``xfer_id`` now (the vLLM
+        connector calls it at the end of every engine step, so that a step's KV
+        is on its way before the next step runs; :meth:`finish` does it too).
+        Waits for credit like :meth:`send_layer`; raises the transfer's error if
+        it failed. Nothing to do for a transfer this sender does not know."""
+        call_start = time.monotonic()
+        with self._lock:
+            tx = self._tx.get(xfer_id)
+            if tx is None:
+                return
+            self._check_usable(tx)
+            if tx.pack_parts and tx.state == "open":
+                self._guarded(tx, call_start, timeout, lambda deadline: self._flush(tx, deadline))
 
     def finish_async(self, xfer_id: str, timeout: float | None = None, *, digest: str = "") -> None:
         """Send ``done`` (with ``digest``, opaque to the transport: at most 128
@@ -516,7 +545,7 @@ class KVSender:
                 self._check_usable(tx)
             finally:
                 self._forget(tx)
-            return SendResult(xfer_id, tx.chunks, len(tx.layers), tx.nbytes, time.monotonic() - tx.t0)
+            return SendResult(xfer_id, tx.chunks, len(tx.pieces), tx.nbytes, time.monotonic() - tx.t0)
 
     def poll_finished(self) -> dict[str, SendResult | TransferError]:
         """Outcomes of transfers closed with :meth:`finish_async` that are final now
@@ -531,7 +560,7 @@ class KVSender:
                 if tx.ack_deadline is None:
                     continue
                 if tx.state == "acked":
-                    out[x] = SendResult(x, tx.chunks, len(tx.layers), tx.nbytes, now - tx.t0)
+                    out[x] = SendResult(x, tx.chunks, len(tx.pieces), tx.nbytes, now - tx.t0)
                 elif tx.state == "failed":
                     out[x] = self._error(tx)
                 elif now > tx.ack_deadline:
@@ -664,14 +693,15 @@ class KVSender:
         if tx is not None:
             if dest is not None and dest != tx.channel.address:
                 raise ValueError(f"transfer {xfer_id!r} already goes to {tx.channel.address}, not {dest}")
-            self._pump(tx.channel)  # a nack may be waiting: then fail now, sending nothing more
+            if time.monotonic() - tx.channel.pumped >= PUMP_INTERVAL_S:
+                self._pump(tx.channel)  # a nack may be waiting: then fail now, sending nothing more
             self._check_usable(tx)
             if tx.state != "open":
                 raise TransferError(f"transfer {xfer_id!r} is already finishing")
             return tx
         ch = self._channel(dest or self.address)
         now = time.monotonic()
-        tx = _TxTransfer(xfer_id, ch, self.timeout)
+        tx = _TxTransfer(xfer_id, ch, self.timeout, ch.generation)
         try:
             self._admit(ch, now)
         except DestinationUnavailable as e:
@@ -683,6 +713,138 @@ class KVSender:
         self.stats.add("transfers_started")
         return tx
 
+    def _guarded(self, tx: _TxTransfer, call_start: float, timeout: float | None,
+                 fn: Callable[[float], Any]) -> Any:
+        """Run ``fn(deadline)``, the part of a public call that may wait on the
+        receiver: the deadline is what is left of the transfer's wait budget (or
+        ``timeout``, if sooner), the time the call took comes off the budget, and
+        an error fails the transfer (telling the receiver) before it is raised."""
+        deadline = call_start + (tx.budget if timeout is None else min(tx.budget, timeout))
+        try:
+            return fn(deadline)
+        except TransferError as e:
+            if tx.state != "failed":  # e.g. the staging buffer wait timed out
+                if isinstance(e, TransferTimeout):
+                    self._on_timeout(tx, str(e), call_start)
+                else:
+                    self._fail(tx, str(e))
+                    self._send_abort(tx, "sender failed mid-layer")
+            raise
+        except BaseException as e:  # a message half built or sent: the transfer cannot complete
+            if tx.state != "failed":
+                self._fail(tx, f"sending failed: {type(e).__name__}: {e}")
+                self._send_abort(tx, "sender failed mid-layer")
+            raise
+        finally:
+            tx.budget -= time.monotonic() - call_start   # what this call spent of the wait budget
+
+    def _send_layer(self, tx: _TxTransfer, key: tuple[int, int], blocks: list, src, dtype_name: str,
+                    lshape: tuple, deadline: float) -> int:
+        ch = tx.channel
+        if not ch.ready:
+            self._wait(ch, lambda: ch.ready, deadline, tx,
+                       f"no credit grant from the receiver at {ch.address} (not running?)")
+        self._check_usable(tx)
+        isz = DTYPES[dtype_name]
+        layer_bytes = wire.prod(lshape) * isz
+        part_room = _part_header_bound(len(blocks), len(lshape))
+        limit = self._message_limit(ch)
+        step, layer = key
+        lshape_l = list(lshape)
+        if layer_bytes <= self.pack_layer_bytes and layer_bytes + part_room + MESSAGE_HEADER_BOUND <= limit:
+            # a small layer: copied into the pack, which goes out as one message
+            room = min(self.pack_bytes, limit - tx.pack_header - part_room)
+            if tx.pack_parts and (tx.pack_pos + layer_bytes > room or len(tx.pack_parts) >= wire.MAX_PARTS):
+                self._flush(tx, deadline)
+            if tx.pack_buf is None:
+                tx.pack_buf = self._packs.get(max(self.pack_bytes, layer_bytes))
+                tx.pack_header = MESSAGE_HEADER_BOUND
+            src.copy_into(tx.pack_buf[tx.pack_pos:tx.pack_pos + layer_bytes])
+            tx.pack_pos += layer_bytes
+            tx.pack_header += part_room
+            tx.pack_parts.append(wire.part(step, layer, 0, blocks, dtype_name, lshape_l, 0, lshape_l))
+            tx.pieces.add(key)
+            c = self.stats.c
+            c["layers_packed"] += 1
+            c["layers_sent"] += 1
+            return 1
+        if tx.pack_parts:
+            self._flush(tx, deadline)   # parts go out in the order they were given
+        header_room = MESSAGE_HEADER_BOUND + part_room
+        if limit - header_room < min(layer_bytes, MIN_CHUNK_PAYLOAD):
+            # else the layer would go out in chunks of a few bytes each: millions of
+            # messages, CPU time no wait budget bounds, the forward pass stalled
+            raise TransferError(
+                f"the receiver at {ch.address} accepts messages of at most {ch.max_message} bytes, "
+                f"too small for chunks of this layer ({len(blocks)} block ids in each header): "
+                f"raise its max_message_bytes")
+        chunk = max(isz, min(self.chunk_bytes, limit - header_room))
+        tx.pieces.add(key)
+        if layer_bytes <= chunk and isinstance(src, _HostSource):   # the common case: one message
+            self._send_kv(tx, [wire.part(step, layer, 0, blocks, dtype_name, lshape_l, 0, lshape_l)],
+                          layer_bytes, deadline, data=src.flat)
+            self.stats.c["layers_sent"] += 1
+            return 1
+        specs = plan_chunks(lshape, isz, chunk, blocks)
+        for spec in specs:
+            self._send_kv(tx, [wire.part(step, layer, spec.seq, spec.blocks, dtype_name, list(spec.shape),
+                                         spec.offset, lshape_l)],
+                          spec.nbytes, deadline, make_data=lambda spec=spec: src.chunk(spec, deadline))
+        self.stats.c["layers_sent"] += 1
+        return len(specs)
+
+    @staticmethod
+    def _message_limit(ch: _Channel) -> int:
+        """Largest message (header + payload) for ``ch``: the receiver's max_message,
+        and at most half the credit window (the receiver returns credit in batches
+        of a quarter window, so a message always fits once the pipe has drained)."""
+        return min(ch.window // 2 - MESSAGE_OVERHEAD, ch.max_message)
+
+    def _flush(self, tx: _TxTransfer, deadline: float) -> None:
+        """Send the pack of ``tx`` (its small layers so far) as one 'kv' message."""
+        parts, n, buf = tx.pack_parts, tx.pack_pos, tx.pack_buf
+        tx.pack_parts, tx.pack_pos, tx.pack_buf, tx.pack_header = [], 0, None, 0
+        if parts:
+            self._send_kv(tx, parts, n, deadline, make_data=lambda: self._packs.send_view(buf, n))
+
+    def _send_kv(self, tx: _TxTransfer, parts: list[dict], nbytes: int, deadline: float, data: Any = None,
+                 make_data: Callable[[], Any] | None = None) -> None:
+        """One 'kv' message: wait for its credit, then send header and payload: ``data``,
+        or what ``make_data()`` returns (called once there is credit: a device chunk is
+        staged then, a pack buffer handed over)."""
+        ch = tx.channel
+        cost = nbytes + MESSAGE_OVERHEAD
+        if ch.credit < cost:
+            self._pump(ch)
+        if ch.credit < cost:
+            self.stats.add("credit_waits")
+            t0 = time.monotonic()
+            self._wait(ch, lambda: ch.credit >= cost, deadline, tx,
+                       f"out of flow-control credit for {ch.address} ({ch.inflight} bytes in "
+                       f"flight, window {ch.window}): receiver stalled or gone")
+            self.stats.add("credit_wait_s", time.monotonic() - t0)
+        self._check_usable(tx)
+        sock = ch.sock
+        if make_data is not None:
+            data = make_data()
+        if ch.sock is not sock:  # dropped meanwhile (by another thread, or while staging)
+            self._fail(tx, f"connection to {ch.address} was reset")
+            self._check_usable(tx)
+        sock.send(wire.encode_kv(tx.xfer_id, parts, nbytes), zmq.SNDMORE)
+        sock.send(data, copy=False)
+        ch.credit -= cost
+        ch.inflight += cost
+        tx.chunks += len(parts)
+        tx.nbytes += nbytes
+        c = self.stats.c
+        c["messages_sent"] += 1
+        c["chunks_sent"] += len(parts)
+        c["bytes_sent"] += nbytes
+        if ch.inflight > c["max_inflight_bytes"]:
+            c["max_inflight_bytes"] = ch.inflight
+        if self._waiters:
+            self._pump(ch)  # sending may have eaten the fd signal a sleeper waits for
+
     def _finish_async(self, xfer_id: str, timeout: float | None, digest: str) -> _TxTransfer:
         tx = self._tx.get(xfer_id)
         if tx is None:
@@ -692,13 +854,19 @@ class KVSender:
         except TransferError:
             self._forget(tx)
             raise
+        if tx.state == "open" and tx.pack_parts:   # the last small layers go before 'done'
+            try:
+                self._guarded(tx, time.monotonic(), timeout, lambda deadline: self._flush(tx, deadline))
+            except TransferError:
+                self._forget(tx)
+                raise
         if tx.state == "open":
             now = time.monotonic()
             tx.state = "done_sent"
             tx.done_at = now
             tx.ack_deadline = now + (tx.budget if timeout is None else min(tx.budget, timeout))
             try:
-                self._send(tx.channel, [wire.encode("done", xfer=xfer_id, chunks=tx.chunks, layers=len(tx.layers),
+                self._send(tx.channel, [wire.encode("done", xfer=xfer_id, chunks=tx.chunks, layers=len(tx.pieces),
                                                     nbytes=tx.nbytes, digest=digest)])
             except zmq.ZMQError as e:
                 self._fail(tx, f"sending 'done' failed: {e}")
@@ -731,6 +899,9 @@ class KVSender:
         tx.state = "failed"
         tx.error = error
         tx.error_cls = cls
+        if tx.pack_buf is not None:   # never sent now
+            self._packs.put(tx.pack_buf)
+        tx.pack_parts, tx.pack_buf, tx.pack_pos = [], None, 0
         self.stats.add("transfers_refused" if refused else "transfers_failed")
         failed = self._failed
         failed[tx.xfer_id] = tx
@@ -894,12 +1065,13 @@ class KVSender:
         sock = ch.sock
         if sock is None:
             return False
+        ch.pumped = time.monotonic()
         n = 0
         # ZMQ_EVENTS first: cheaper than a recv raising zmq.Again (this runs once per layer).
         # At most PUMP_MAX_MESSAGES per call: a receiver that sends replies as fast as they are
         # read must not hold the engine's thread (and this lock) here; the rest waits for the
         # next call
-        while n < PUMP_MAX_MESSAGES and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while n < PUMP_MAX_MESSAGES and sock.getsockopt(_EVENTS) & _POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -953,7 +1125,7 @@ class KVSender:
 
     def _pump_events(self, ch: _Channel) -> None:
         mon = ch.monitor
-        while mon is not None and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while mon is not None and mon.getsockopt(_EVENTS) & _POLLIN:
             try:
                 frames = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

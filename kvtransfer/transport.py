@@ -1,7 +1,25 @@
 """Engine-agnostic ZeroMQ KV-cache transport: :class:`KVSender` and :class:`KVReceiver`.
 
-Wire format: see :mod:`kvtransfer.wire` (msgpack header + raw tensor frames; no
-pickle anywhere). Keys and addresses: see :mod:`kvtransfer.auth`.
+Wire format: see :mod:`kvtransfer.wire` (version 2: msgpack header + one raw
+payload frame; no pickle anywhere). Keys and addresses: see :mod:`kvtransfer.auth`.
+
+Pieces, chunks and packs
+------------------------
+A transfer is a set of *pieces*, each the KV one engine step computed for one
+layer, named ``(step, layer)`` (``send_layer(..., step=)``; a prompt prefilled
+in several chunks sends each layer once per step). A piece larger than
+``pack_layer_bytes`` (64 KiB) goes out at once as one ``kv`` message per
+chunk of at most ``chunk_bytes`` (4 MiB). Smaller pieces are copied into the
+transfer's *pack* and travel together, one ``kv`` message of up to
+``pack_bytes`` (1 MiB; at most ``chunk_bytes``), so that per-message costs
+(a Python call, a header, a ZeroMQ message on each side) do not dominate
+small transfers: a 1 MB request of 32 layers is one message instead of 32.
+Below 64 KiB pyzmq copies a frame anyway, so packing adds no copy there;
+larger layers go zero-copy (copying 128-256 KiB layers into packs measured
+slower than sending them alone). A pack is sent when the next piece would not fit, by ``KVSender.flush``
+(the vLLM connector calls it after every engine step) and before ``done``.
+Pack buffers are reused once ZeroMQ has released them (fresh memory costs a
+page fault per 4 KiB). ``pack_bytes=0`` turns packing off.
 
 Sockets
 -------
@@ -148,15 +166,14 @@ consumer to call ``wait``: the data is then safely on the receiver (in the
 result, or written by ``on_chunk``), and the prefill side can free its blocks
 without depending on when the decode scheduler gets round to the request.
 
-Performance (``scripts/bench_kv_transport.py``, 2-core VM, both ends in
-separate processes): >= 80 % of raw ZeroMQ PUSH/PULL in the same message sizes
-for 16 MB and 256 MB requests (32 layers each) over tcp and ipc; per-message
-Python costs (~10 us sender, ~20 us receiver) dominate with small messages
-(1 MB requests = 32 KB layers: ~50 %). ``--curve`` adds kvtransfer with CURVE
+Performance: ``scripts/bench_kv_transport.py`` compares the transport with
+raw ZeroMQ PUSH/PULL sending the same layers, both ends in separate
+processes; figures and the command in ``docs/results.md`` (section 8.3). On
+the 2-core VM, per-message Python costs (tens of microseconds a side) are
+what packing amortises at 1 MB. ``--curve`` adds kvtransfer with CURVE
 encryption to the same run: libzmq encrypts and decrypts on its I/O thread,
-one pass per message on each side, and on this 2-core VM that made CURVE
-transfers 4-9x slower than plain ones at >= 16 MB (0.1-0.9 GB/s; numbers from
-a heavily loaded machine) -- plan for it where KV crosses hosts.
+one pass per message on each side, which made CURVE transfers several times
+slower than plain ones on the 2-core VM -- plan for it where KV crosses hosts.
 
 Threads and copies
 ------------------
@@ -167,17 +184,20 @@ then writes to the network) under one lock, applies incoming credit/acks
 whenever it runs, and sleeps on the socket's fd with the lock released while
 it waits, so the methods are thread-safe. CPU payloads are sent zero-copy
 (``copy=False``; ZeroMQ holds a reference until the bytes are written) and
-received zero-copy (the received frames are the result's buffers); tensors on
-an accelerator are staged through reusable pinned host buffers, tracked so a
-buffer is reused only after ZeroMQ released it.
+received zero-copy (the received frames are the result's buffers: the vLLM
+connector copies them once, straight into the paged cache, see
+:mod:`kvtransfer.kvcache`); small layers are copied once into a pack;
+tensors on an accelerator are staged through reusable pinned host buffers,
+tracked so a buffer is reused only after ZeroMQ released it.
 
 Public API (re-exported here)
 -----------------------------
-``KVSender(address=None, *, chunk_bytes, timeout=30.0, connect_timeout=2.0, breaker_cooldown_s=2.0,
-breaker_max_cooldown_s=30.0, staging_slots=2, curve: ClientKeys | None = None, allow_insecure_remote=False,
-ctx=None, name=None)``
+``KVSender(address=None, *, chunk_bytes=4 MiB, pack_bytes=1 MiB, pack_layer_bytes=64 KiB, timeout=30.0,
+connect_timeout=2.0, breaker_cooldown_s=2.0, breaker_max_cooldown_s=30.0, staging_slots=2,
+curve: ClientKeys | None = None, allow_insecure_remote=False, ctx=None, name=None)``
     ``begin(xfer_id, dest=None)``,
-    ``send_layer(xfer_id, layer, blocks, data, dtype=None, shape=None, *, dest=None, timeout=None) -> int``,
+    ``send_layer(xfer_id, layer, blocks, data, dtype=None, shape=None, *, step=0, dest=None, timeout=None) -> int``,
+    ``flush(xfer_id, timeout=None)``,
     ``finish(xfer_id, timeout=None, *, digest="") -> SendResult``,
     ``finish_async(xfer_id, timeout=None, *, digest="")``,
     ``poll_finished() -> {xfer_id: SendResult | TransferError}``, ``abort(xfer_id, reason)``,
@@ -189,8 +209,9 @@ curve: ServerKeys | None = None, allow_insecure=False, heartbeat_path=None, ctx=
     ``address``, ``wait(xfer_id, timeout=None, *, drop_on_timeout=False) -> TransferResult``,
     ``ready(xfer_id)``, ``completed()``, ``discard(xfer_id)``, ``alive``, ``heartbeat``, ``close()``,
     ``stats`` (:class:`Stats`; ``snapshot()`` -> dict).
-``TransferResult(xfer_id, ok, error, chunks, nbytes, layers, elapsed_s, digest)`` with
-``layers[layer]: LayerData`` (``array()``, ``tensor()``, ``tobytes()``, ``blocks``, ``chunks``).
+``TransferResult(xfer_id, ok, error, chunks, nbytes, pieces, elapsed_s, digest)`` with
+``pieces[step, layer]: LayerData`` (``array()``, ``tensor()``, ``tobytes()``, ``blocks``, ``chunks``,
+``step``, ``layer``), ``layer_array(layer, step=0)``, ``layer_bytes(layer, step=0)``.
 Errors: ``TransferError``, ``TransferTimeout`` (also a ``TimeoutError``), ``DestinationUnavailable``,
 ``WireError``. Keys: ``ServerKeys``, ``ClientKeys``, ``KeysError``, ``generate_keys``, ``is_loopback``.
 """
@@ -198,8 +219,9 @@ from __future__ import annotations
 
 from .auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
 from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_CREDIT_BYTES, DEFAULT_HOST,
-                     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD, DestinationUnavailable, Stats,
-                     TransferError, TransferTimeout, free_port, normalize_dtype)
+                     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PACK_BYTES, DEFAULT_PACK_LAYER_BYTES, DEFAULT_TIMEOUT_S,
+                     MESSAGE_OVERHEAD, DestinationUnavailable, Stats, TransferError, TransferTimeout, free_port,
+                     normalize_dtype)
 from .receiver import (DEFAULT_MAX_HELD_BYTES, DEFAULT_MAX_OPEN_TRANSFERS, DEFAULT_MAX_PEER_BYTES,
                        DEFAULT_RESULT_TTL_S, DEFAULT_STALE_AFTER_S, ChunkData, KVReceiver, LayerData, TransferResult)
 from .sender import KVSender, SendResult, plan_chunks
@@ -209,7 +231,8 @@ __all__ = [
     "KVSender", "KVReceiver", "SendResult", "TransferResult", "LayerData", "ChunkData",
     "TransferError", "TransferTimeout", "DestinationUnavailable", "WireError", "Stats", "DTYPES", "plan_chunks",
     "normalize_dtype", "free_port", "ServerKeys", "ClientKeys", "KeysError", "generate_keys", "is_loopback",
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_CREDIT_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_PACK_BYTES", "DEFAULT_PACK_LAYER_BYTES", "DEFAULT_CREDIT_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S",
     "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_HOST", "MESSAGE_OVERHEAD", "DEFAULT_MAX_HELD_BYTES",
     "DEFAULT_MAX_PEER_BYTES", "DEFAULT_MAX_OPEN_TRANSFERS", "DEFAULT_STALE_AFTER_S", "DEFAULT_RESULT_TTL_S",
 ]

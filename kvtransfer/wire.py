@@ -1,49 +1,62 @@
-"""Wire format of the ZeroMQ KV-cache transport (version 1).
+"""Wire format of the ZeroMQ KV-cache transport (version 2).
 
 Every message is a multipart ZeroMQ message::
 
     frame 0      msgpack-encoded header (a map with str keys)
-    frame 1..n   raw tensor bytes (only ``kv`` messages carry one; all others none)
+    frame 1      raw tensor bytes (only ``kv`` messages carry one; all others none)
 
 Nothing is ever pickled: the header is plain msgpack (str/int/bool/list/map only),
-the payload is the C-contiguous, little-endian bytes of one chunk.
+the payload the C-contiguous, little-endian bytes of the message's parts.
 
-Header fields common to every kind: ``v`` (int, must be 1) and ``kind`` (str).
+Header fields common to every kind: ``v`` (int, must be 2; a peer speaking
+another version is refused with ``bad_version``) and ``kind`` (str).
 A transfer id (``xfer``) is always a non-empty str of at most
 :data:`MAX_XFER_LEN` characters (any other value makes the whole message
 malformed); ``reason`` strings are at most :data:`MAX_REASON_LEN` characters.
 The other fields depend on the kind; a header must carry exactly these fields,
 no more and no less, each of the stated type (``bool`` is never accepted where an
-``int`` is expected):
+``int`` is expected; an "index" is an int in ``0..MAX_INDEX``):
 
 sender -> receiver
 
 ``hello``  ``{}``
     First message on a new connection; the receiver answers with the initial
     ``credit`` grant (see ``transport`` for the flow-control scheme).
-``kv``     ``xfer: str, layer: int>=0, seq: int>=0, blocks: [int>=0], dtype: str,
-           shape: [int>=0], nbytes: int>=0, offset: int>=0, lshape: [int>=0]``
-    One chunk of one layer. ``xfer`` is the transfer id the caller issued (the
-    dispatcher's id, never an engine-internal request id). ``seq`` is the chunk
-    index within the layer (0, 1, ...). ``shape`` is the shape of this chunk,
-    ``lshape`` the shape of the whole layer tensor, ``offset`` the byte offset of
-    this chunk within the layer's C-contiguous bytes. ``blocks`` are the block ids
-    the caller passed for the layer, in the *sender's* numbering (prefill-side
-    KV block ids or logical block positions in the request — the transport does
-    not interpret them). When the layer's leading axis is the block axis
-    (``lshape[0] == len(blocks)``) and the layer is split along that axis, each
-    chunk carries only the block ids of its own rows; otherwise every chunk
-    carries the full list. ``dtype`` comes from :data:`DTYPES`;
-    ``nbytes == prod(shape) * itemsize(dtype) == len(payload frame)`` and
-    ``offset + nbytes <= prod(lshape) * itemsize``.
+``kv``     ``xfer: str, nbytes: int>=0, parts: [part]`` (1..:data:`MAX_PARTS` parts)
+    KV of transfer ``xfer`` (the transfer id the caller issued: the
+    dispatcher's id, never an engine-internal request id). The payload frame
+    holds the parts' bytes back to back, in the order of ``parts``;
+    ``nbytes == len(payload frame) == sum of the parts' sizes``. A message is
+    either one chunk of a large layer or several whole small layers packed
+    together (so that per-message costs do not dominate small transfers). A
+    part is a map::
+
+        step: index, layer: index, seq: index, blocks: [int>=0], dtype: str,
+        shape: [int>=0], offset: int>=0, lshape: [int>=0]
+
+    One chunk of the KV that engine step ``step`` computed for layer
+    ``layer`` (a prompt prefilled in several chunks sends each layer once per
+    step; ``(step, layer)`` names a *piece* of the transfer). ``seq`` is the
+    chunk index within the piece (0, 1, ...). ``shape`` is the shape of this
+    chunk, ``lshape`` the shape of the whole piece, ``offset`` the byte offset
+    of this chunk within the piece's C-contiguous bytes; the part's size is
+    ``prod(shape) * itemsize(dtype)`` and ``offset + size <= prod(lshape) *
+    itemsize``. ``blocks`` are the block ids the caller passed for the piece,
+    in the *sender's* numbering (the vLLM connector sends logical block
+    positions within the request; the transport does not interpret them).
+    When the piece's leading axis is the block axis (``lshape[0] ==
+    len(blocks)``) and it is split along that axis, each chunk carries only
+    the block ids of its own rows; otherwise every chunk carries the full
+    list. ``dtype`` comes from :data:`DTYPES`.
 ``done``   ``xfer: str, chunks: int>=0, layers: int>=0, nbytes: int>=0, digest: str``
-    Closes a transfer, announcing how many ``kv`` chunks, distinct layers and
-    payload bytes were sent, so the receiver can tell a complete transfer from a
-    truncated one. ``digest`` (0..128 chars of ``[0-9a-f]``, empty when unused)
-    is opaque to the transport: the sender's caller passes it to
-    ``KVSender.finish`` and the receiver hands it over as
-    ``TransferResult.digest`` (the vLLM connector puts a digest of the
-    prompt's token ids there, to bind the transfer to its request).
+    Closes a transfer, announcing how many parts (``chunks``), distinct
+    ``(step, layer)`` pieces (``layers``) and payload bytes were sent, so the
+    receiver can tell a complete transfer from a truncated one. ``digest``
+    (0..128 chars of ``[0-9a-f]``, empty when unused) is opaque to the
+    transport: the sender's caller passes it to ``KVSender.finish`` and the
+    receiver hands it over as ``TransferResult.digest`` (the vLLM connector
+    puts a digest of the prompt's token ids there, to bind the transfer to
+    its request).
 ``abort``  ``xfer: str, reason: str``
     The receiver drops whatever it holds for ``xfer``.
 
@@ -58,6 +71,11 @@ receiver -> sender
 ``nack``   ``xfer: str, reason: str``
     The transfer failed on the receiver side (truncated, aborted, abandoned,
     chunk rejected, ...).
+
+Version history: 1 had one chunk per ``kv`` message, with the chunk's fields in
+the header itself and no ``step`` (the vLLM connector folded the step into
+``layer``). Version 2 (this one) gives the step its own field and packs
+several parts into one message.
 """
 from __future__ import annotations
 
@@ -68,7 +86,7 @@ from typing import Any, Sequence
 import msgpack
 import zmq
 
-VERSION = 1
+VERSION = 2
 
 #: Allowed ``dtype`` strings and their item sizes in bytes.
 DTYPES: dict[str, int] = {
@@ -95,6 +113,10 @@ MAX_NDIM = 16
 MAX_BLOCKS = 1 << 20
 MAX_XFER_LEN = 512
 MAX_REASON_LEN = 4096
+#: Most parts in one ``kv`` message.
+MAX_PARTS = 4096
+#: Largest ``step``/``layer``/``seq`` (an "index" field).
+MAX_INDEX = (1 << 31) - 1
 #: Longest ``digest`` of a ``done`` message (lower-case hex, possibly empty).
 MAX_DIGEST_LEN = 128
 _HEX = frozenset("0123456789abcdef")
@@ -106,17 +128,20 @@ _UNPACK_LIMITS = {"raw": False, "strict_map_key": True, "use_list": True, "max_s
 SENDER_KINDS = ("hello", "kv", "done", "abort")
 RECEIVER_KINDS = ("credit", "ack", "nack")
 
-# field -> type tag; "int" = non-negative int (never bool), "ints" = list of those.
+# field -> type tag; "int" = non-negative int (never bool), "index" = int in 0..MAX_INDEX,
+# "ints" = list of non-negative ints, "parts" = list of PART_FIELDS maps.
 _FIELDS: dict[str, dict[str, str]] = {
     "hello": {},
-    "kv": {"xfer": "xfer", "layer": "int", "seq": "int", "blocks": "ints", "dtype": "dtype",
-           "shape": "shape", "nbytes": "int", "offset": "int", "lshape": "shape"},
+    "kv": {"xfer": "xfer", "nbytes": "int", "parts": "parts"},
     "done": {"xfer": "xfer", "chunks": "int", "layers": "int", "nbytes": "int", "digest": "digest"},
     "abort": {"xfer": "xfer", "reason": "str"},
     "credit": {"bytes": "int", "init": "bool", "max_message": "int"},
     "ack": {"xfer": "xfer", "chunks": "int", "nbytes": "int"},
     "nack": {"xfer": "xfer", "reason": "str"},
 }
+#: The fields of one part of a ``kv`` message.
+PART_FIELDS: dict[str, str] = {"step": "index", "layer": "index", "seq": "index", "blocks": "ints",
+                               "dtype": "dtype", "shape": "shape", "offset": "int", "lshape": "shape"}
 _PAYLOAD_FRAMES = {"kv": 1}
 
 
@@ -148,13 +173,15 @@ class WireError(ValueError):
 
 class Message:
     """A validated message: ``kind``, ``header`` (the dict), ``payload`` (a tuple
-    of zero or one memoryview)."""
-    __slots__ = ("kind", "header", "payload")
+    of zero or one memoryview). For a ``kv`` message, ``sizes`` holds each
+    part's payload size in bytes (in the order of ``header["parts"]``)."""
+    __slots__ = ("kind", "header", "payload", "sizes")
 
-    def __init__(self, kind: str, header: dict, payload: tuple):
+    def __init__(self, kind: str, header: dict, payload: tuple, sizes: list[int] | None = None):
         self.kind = kind
         self.header = header
         self.payload = payload
+        self.sizes = sizes
 
     def __getitem__(self, key):
         return self.header[key]
@@ -179,13 +206,18 @@ def encode(kind: str, **fields: Any) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def encode_kv(xfer: str, layer: int, seq: int, blocks: list, dtype: str, shape: Sequence[int], nbytes: int,
-              offset: int, lshape: list) -> bytes:
+def part(step: int, layer: int, seq: int, blocks: list, dtype: str, shape: list, offset: int,
+         lshape: list) -> dict:
+    """One part of a ``kv`` message (see the module doc)."""
+    return {"step": step, "layer": layer, "seq": seq, "blocks": blocks, "dtype": dtype, "shape": shape,
+            "offset": offset, "lshape": lshape}
+
+
+def encode_kv(xfer: str, parts: list[dict], nbytes: int) -> bytes:
     """Fast path for the sender's ``kv`` header (its inputs are validated by
     ``KVSender.send_layer``; the receiver validates everything again)."""
-    return msgpack.packb({"v": VERSION, "kind": "kv", "xfer": xfer, "layer": layer, "seq": seq,
-                          "blocks": blocks, "dtype": dtype, "shape": list(shape), "nbytes": nbytes,
-                          "offset": offset, "lshape": lshape}, use_bin_type=True)
+    return msgpack.packb({"v": VERSION, "kind": "kv", "xfer": xfer, "nbytes": nbytes, "parts": parts},
+                         use_bin_type=True)
 
 
 def decode(frames: Sequence[Any], kinds: Sequence[str], max_message_bytes: int | None = None) -> Message:
@@ -222,27 +254,8 @@ def decode(frames: Sequence[Any], kinds: Sequence[str], max_message_bytes: int |
                         xfer=header.get("xfer"))
     payload = tuple(f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames[1:])
     if kind == "kv":
-        _check_kv(header, payload[0])
+        return Message(kind, header, payload, _check_kv(header, payload[0]))
     return Message(kind, header, payload)
-
-
-def _kv_header_ok(h: dict) -> bool:
-    """Fast acceptance test for a well-formed ``kv`` header (same rules as
-    :func:`_check_header`; anything it does not accept goes through that)."""
-    if len(h) != 11:
-        return False
-    try:
-        v, x, layer, seq, blocks = h["v"], h["xfer"], h["layer"], h["seq"], h["blocks"]
-        dtype, shape, nbytes, offset, lshape = h["dtype"], h["shape"], h["nbytes"], h["offset"], h["lshape"]
-    except KeyError:
-        return False
-    return (type(v) is int and v == VERSION and type(x) is str and 0 < len(x) <= MAX_XFER_LEN
-            and type(layer) is int and layer >= 0 and type(seq) is int and seq >= 0
-            and type(nbytes) is int and nbytes >= 0 and type(offset) is int and offset >= 0
-            and type(dtype) is str and dtype in DTYPES
-            and _nonneg_ints(blocks)
-            and _nonneg_ints(shape) and len(shape) <= MAX_NDIM
-            and _nonneg_ints(lshape) and len(lshape) <= MAX_NDIM)
 
 
 _INT_ONLY = {int}
@@ -250,6 +263,40 @@ _INT_ONLY = {int}
 
 def _nonneg_ints(xs) -> bool:
     return type(xs) is list and (not xs or (set(map(type, xs)) == _INT_ONLY and min(xs) >= 0))
+
+
+def _index_ok(x) -> bool:
+    return type(x) is int and 0 <= x <= MAX_INDEX
+
+
+def _part_ok(p) -> bool:
+    """Fast acceptance test for a well-formed part (same rules as :func:`_check_part`)."""
+    if type(p) is not dict or len(p) != 8:
+        return False
+    try:
+        step, layer, seq, blocks = p["step"], p["layer"], p["seq"], p["blocks"]
+        dtype, shape, offset, lshape = p["dtype"], p["shape"], p["offset"], p["lshape"]
+    except KeyError:
+        return False
+    return (_index_ok(step) and _index_ok(layer) and _index_ok(seq)
+            and type(offset) is int and offset >= 0 and type(dtype) is str and dtype in DTYPES
+            and _nonneg_ints(blocks)
+            and _nonneg_ints(shape) and len(shape) <= MAX_NDIM
+            and _nonneg_ints(lshape) and len(lshape) <= MAX_NDIM)
+
+
+def _kv_header_ok(h: dict) -> bool:
+    """Fast acceptance test for a well-formed ``kv`` header (same rules as
+    :func:`_check_header`; anything it does not accept goes through that)."""
+    if len(h) != 5:
+        return False
+    try:
+        v, x, nbytes, parts = h["v"], h["xfer"], h["nbytes"], h["parts"]
+    except KeyError:
+        return False
+    return (type(v) is int and v == VERSION and type(x) is str and 0 < len(x) <= MAX_XFER_LEN
+            and type(nbytes) is int and nbytes >= 0
+            and type(parts) is list and 0 < len(parts) <= MAX_PARTS and all(map(_part_ok, parts)))
 
 
 def _peek_xfer(head: memoryview) -> str | None:
@@ -269,27 +316,28 @@ def _peek_xfer(head: memoryview) -> str | None:
 
 
 def _check_header(h: dict, kinds: Sequence[str]) -> None:
+    xfer = h.get("xfer") if valid_xfer(h.get("xfer")) else None   # to name it in a nack
     if "v" not in h:
-        raise WireError("missing_field", "field 'v' is missing")
+        raise WireError("missing_field", "field 'v' is missing", xfer)
     if type(h["v"]) is not int or h["v"] != VERSION:
-        raise WireError("bad_version", f"field 'v': expected {VERSION}, got {h['v']!r}")
+        raise WireError("bad_version", f"field 'v': this side speaks wire version {VERSION}, the peer sent "
+                                       f"{reprlib.repr(h['v'])} (both ends must run the same kvtransfer version)",
+                        xfer)
     kind = h.get("kind")
     if kind not in kinds or not isinstance(kind, str):
-        raise WireError("bad_kind", f"field 'kind': expected one of {list(kinds)}, got {kind!r}")
-    spec = _FIELDS[kind]
-    xfer = h.get("xfer") if valid_xfer(h.get("xfer")) else None
-    if len(h) != len(spec) + 2:
+        raise WireError("bad_kind", f"field 'kind': expected one of {list(kinds)}, got {reprlib.repr(kind)}", xfer)
+    _check_fields(h, _FIELDS[kind], f"a '{kind}' header", xfer, extra=("v", "kind"))
+
+
+def _check_fields(h: dict, spec: dict[str, str], what: str, xfer, extra: tuple = ()) -> None:
+    if len(h) != len(spec) + len(extra):
         for name in h:
-            if name not in spec and name not in ("v", "kind"):
-                raise WireError("unknown_field", f"field {name!r} is not allowed in a '{kind}' header", xfer)
+            if name not in spec and name not in extra:
+                raise WireError("unknown_field", f"field {reprlib.repr(name)} is not allowed in {what}", xfer)
     for name, tag in spec.items():
         if name not in h:
-            raise WireError("missing_field", f"field {name!r} is missing from a '{kind}' header", xfer)
+            raise WireError("missing_field", f"field {name!r} is missing from {what}", xfer)
         _check_field(name, tag, h[name], xfer)
-
-
-def _is_nonneg_int(x) -> bool:
-    return type(x) is int and x >= 0
 
 
 def _bad(name: str, x, expected: str, xfer) -> WireError:
@@ -302,6 +350,9 @@ def _check_field(name: str, tag: str, x, xfer) -> None:
     if tag == "int":
         if t is not int or x < 0:
             raise _bad(name, x, "int >= 0", xfer)
+    elif tag == "index":
+        if not _index_ok(x):
+            raise _bad(name, x, f"int in 0..{MAX_INDEX}", xfer)
     elif tag == "ints":
         if t is not list or not all(type(d) is int and d >= 0 for d in x):
             raise _bad(name, x, "list of ints >= 0", xfer)
@@ -325,23 +376,35 @@ def _check_field(name: str, tag: str, x, xfer) -> None:
     elif tag == "str":
         if t is not str or len(x) > MAX_REASON_LEN:
             raise _bad(name, x, f"str of at most {MAX_REASON_LEN} chars", xfer)
+    elif tag == "parts":
+        if t is not list or not 0 < len(x) <= MAX_PARTS:
+            raise _bad(name, x, f"list of 1..{MAX_PARTS} parts", xfer)
+        for i, p in enumerate(x):
+            if type(p) is not dict:
+                raise _bad(f"parts[{i}]", p, "map", xfer)
+            _check_fields(p, PART_FIELDS, f"part {i}", xfer)
     else:  # pragma: no cover
         raise AssertionError(tag)
 
 
-def _check_kv(h: dict, payload: memoryview) -> None:
+def _check_kv(h: dict, payload: memoryview) -> list[int]:
+    """Sizes of a ``kv`` message's parts (checked against its fields and payload)."""
     xfer = h["xfer"]
-    isz = DTYPES[h["dtype"]]
-    want = prod(h["shape"]) * isz
-    if h["nbytes"] != want:
+    sizes = []
+    for i, p in enumerate(h["parts"]):
+        isz = DTYPES[p["dtype"]]
+        n = prod(p["shape"]) * isz
+        piece_bytes = prod(p["lshape"]) * isz
+        if p["offset"] + n > piece_bytes:
+            raise WireError("bad_offset",
+                            f"part {i}: field 'offset': {p['offset']} + size {n} (shape {p['shape']}) exceeds "
+                            f"the piece's {piece_bytes} bytes (lshape={p['lshape']})", xfer)
+        sizes.append(n)
+    total = sum(sizes)
+    if h["nbytes"] != total:
+        raise WireError("nbytes_mismatch", f"field 'nbytes': {h['nbytes']} != {total}, the sum of the parts' "
+                                           f"sizes (prod(shape) * itemsize(dtype) each)", xfer)
+    if payload.nbytes != total:
         raise WireError("nbytes_mismatch",
-                        f"field 'nbytes': {h['nbytes']} != prod(shape={h['shape']}) * itemsize({h['dtype']}) = {want}",
-                        xfer)
-    if payload.nbytes != h["nbytes"]:
-        raise WireError("nbytes_mismatch",
-                        f"field 'nbytes': header says {h['nbytes']} bytes, payload frame has {payload.nbytes}", xfer)
-    layer_bytes = prod(h["lshape"]) * isz
-    if h["offset"] + h["nbytes"] > layer_bytes:
-        raise WireError("bad_offset",
-                        f"field 'offset': {h['offset']} + nbytes {h['nbytes']} exceeds the layer's "
-                        f"{layer_bytes} bytes (lshape={h['lshape']})", xfer)
+                        f"field 'nbytes': header says {total} bytes, payload frame has {payload.nbytes}", xfer)
+    return sizes

@@ -1,9 +1,10 @@
-"""Adversarial test of the decode side's check of a received transfer
-(``ProServeConnector._check`` / ``_inject``): random transfers -- wrong and right
-digests, dtypes, block shapes, block positions (gaps, shifted, beyond the
-request), chunked layers carrying per-chunk or whole-layer block lists, wire
-layers of several prefill steps -- against a fake paged cache (both block
-layouts: CPU ``[blocks, ...]`` and CUDA ``[2, blocks, ...]``).
+"""Adversarial test of the decode side's check and direct write of a received
+transfer (``ProServeConnector._inject``, :mod:`kvtransfer.kvcache`): random
+transfers -- wrong and right digests, dtypes, block shapes, block positions
+(gaps, shifted, beyond the request), layer indices beyond the cache, chunked
+layers carrying per-chunk or whole-layer block lists, chunks that do not tile
+their piece, pieces of several prefill steps -- against a fake paged cache
+(both block layouts: CPU ``[blocks, ...]`` and CUDA ``[2, blocks, ...]``).
 
 Held up (no fix needed): a transfer is either rejected with nothing written, or
 written only into the blocks vLLM allocated to this request beyond its
@@ -34,14 +35,14 @@ def _connector(n_layers: int, block_dim: int):
     return c
 
 
-def _layer(wire_layer: int, arr: np.ndarray, chunks: list[tuple[int, list[int]]]) -> LayerData:
-    """A received layer of ``arr``, in chunks of (rows, block ids carried)."""
-    raw, row = arr.tobytes(), int(np.prod(arr.shape[1:])) * arr.itemsize
+def _layer(step: int, layer: int, arr: np.ndarray, chunks: list[tuple[int, list[int]]]) -> LayerData:
+    """A received piece of ``arr``, in chunks of (rows, block ids carried)."""
+    raw, row = bytearray(arr.tobytes()), int(np.prod(arr.shape[1:])) * arr.itemsize   # writable, like a frame
     out, off = [], 0
     for seq, (rows, blocks) in enumerate(chunks):
         out.append(ChunkData(seq, off, (rows, *arr.shape[1:]), blocks, memoryview(raw[off:off + rows * row])))
         off += rows * row
-    return LayerData(wire_layer, str(arr.dtype), tuple(arr.shape), out, len(raw))
+    return LayerData(layer, str(arr.dtype), tuple(arr.shape), out, len(raw), step=step)
 
 
 def _random_case(rng: random.Random):
@@ -53,12 +54,13 @@ def _random_case(rng: random.Random):
     ld = connector.LoadSpec("req", "xfer", req_blocks, skip, digest)
     layers = {}
     for _ in range(rng.randrange(0, 2 * n_layers + 2)):
-        wl = rng.randrange(0, 3 * n_layers)
+        step = rng.randrange(0, 3)
+        layer = rng.randrange(0, n_layers + (1 if rng.random() < 0.05 else 0))   # sometimes beyond the cache
         first = rng.choice([0, skip, rng.randrange(0, 10)])
         n = rng.randrange(0, len(req_blocks) + 3)
         inner = (2, 4, 2) if rng.random() < 0.9 else (2, 4, 3)
         dtype = np.float16 if rng.random() < 0.95 else np.float32
-        arr = np.full((n, *inner), wl + 1, dtype)
+        arr = np.full((n, *inner), 10 * step + layer + 1, dtype)
         blocks = list(range(first, first + n))
         if blocks and rng.random() < 0.1:
             blocks[-1] += 1                      # a gap
@@ -68,7 +70,10 @@ def _random_case(rng: random.Random):
                     else [(k, blocks), (n - k, blocks)])
         else:
             spec = [(n, blocks)]
-        layers[wl] = _layer(wl, arr, spec)
+        piece = _layer(step, layer, arr, spec)
+        if piece.chunks and rng.random() < 0.03:       # a chunk that does not continue its piece
+            piece.chunks[-1].offset += 2
+        layers[step, layer] = piece
     result = TransferResult("xfer", True, None, 0, 0, layers, 0.0, digest if rng.random() < 0.95 else "00" * 16)
     return c, ld, result, block_dim
 
@@ -94,7 +99,22 @@ def test_a_received_transfer_is_rejected_or_written_only_into_its_requests_block
                     assert blk in allowed, (seed, "wrote block", blk, "outside the request's", allowed)
                 elif ok:
                     assert blk not in allowed, (seed, name, "block", blk, "of the request was not written")
+        if ok:   # ...and each block holds what the last piece covering it sent
+            for layer, name in enumerate(c._kv_caches):
+                for pos in range(ld.skip_blocks, len(ld.block_ids)):
+                    want = _last_value(result.pieces, layer, pos)
+                    got = c._kv_caches[name].select(block_dim, ld.block_ids[pos])
+                    assert bool((got == want).all()), (seed, layer, pos, want)
     assert outcomes == {True, False}   # both kinds of case were exercised
+
+
+def _last_value(pieces: dict, layer: int, pos: int) -> float:
+    """The value the last (step-ordered) piece of ``layer`` covering position ``pos`` carries."""
+    want = None
+    for (step, l), piece in sorted(pieces.items()):
+        if l == layer and piece.shape[0] and piece.blocks[0] <= pos < piece.blocks[0] + piece.shape[0]:
+            want = 10 * step + layer + 1
+    return want
 
 
 def test_a_transfer_id_serves_one_request_per_engine():
@@ -112,16 +132,16 @@ def test_a_transfer_id_serves_one_request_per_engine():
             "do_remote_decode": True, "remote_addr": "tcp://127.0.0.1:5555", "xfer_id": xfer}))
         return c._params[rid]
 
-    assert new("r1", "x1")["role"] == "produce"
-    assert new("r2", "x1")["role"] == "invalid"                      # in use
+    assert new("r1", "x1").role == "produce"
+    assert new("r2", "x1").role == "invalid"                         # in use
     c._release_xfer("x1", "r1")
     bad = new("r3", "x1")                                             # used before: refused all the same
-    assert bad["role"] == "invalid" and "earlier request" in bad["error"]
+    assert bad.role == "invalid" and "earlier request" in bad.error
     for k in range(connector.USED_XFERS_KEPT):                        # the memory is bounded...
         new(f"q{k}", f"y{k}")
         c._release_xfer(f"y{k}", f"q{k}")
     assert len(c._used_xfers) == connector.USED_XFERS_KEPT > connector.FAILED_XFERS_KEPT
-    assert new("r4", "x1")["role"] == "produce"                       # ...and an id long gone is usable again
+    assert new("r4", "x1").role == "produce"                       # ...and an id long gone is usable again
 
 
 def test_every_breaker_opening_reaches_the_scheduler_side():

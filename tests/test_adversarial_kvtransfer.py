@@ -46,9 +46,8 @@ def _raw_dealer(address: str) -> zmq.Socket:
 
 
 def _kv_header(xfer, layer=0, seq=0, n=0, blocks=(), lbytes=None) -> bytes:
-    return msgpack.packb({"v": 1, "kind": "kv", "xfer": xfer, "layer": layer, "seq": seq, "blocks": list(blocks),
-                          "dtype": "uint8", "shape": [n], "nbytes": n, "offset": 0,
-                          "lshape": [n if lbytes is None else lbytes]})
+    part = wire.part(0, layer, seq, list(blocks), "uint8", [n], 0, [n if lbytes is None else lbytes])
+    return msgpack.packb({"v": wire.VERSION, "kind": "kv", "xfer": xfer, "nbytes": n, "parts": [part]})
 
 
 def _held_consistent(rx: KVReceiver) -> None:
@@ -166,19 +165,36 @@ def test_wire_decode_fuzz():
                      st.sampled_from(["kv", "done", "abort", "hello", "credit", "ack", "nack", "uint8", "x"]))
     values = st.recursive(leaf, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=6), c,
                                                                                       max_size=5), max_leaves=20)
-    good = {"int": 4, "ints": [1, 2], "shape": [4], "xfer": "x", "digest": "", "dtype": "uint8", "bool": True,
-            "str": "r"}
+    good = {"int": 4, "index": 0, "ints": [1, 2], "shape": [4], "xfer": "x", "digest": "", "dtype": "uint8",
+            "bool": True, "str": "r"}
+    # step/layer/seq: around the edges of an index (0..MAX_INDEX), and not ints at all
+    indexes = st.one_of(st.integers(-2, 3), st.sampled_from([wire.MAX_INDEX, wire.MAX_INDEX + 1, 2 ** 64 - 1]),
+                        st.booleans(), st.floats(allow_nan=True), st.text(max_size=3))
+
+    def fields(draw, spec: dict) -> dict:
+        h = {}
+        for name, tag in spec.items():
+            if tag == "parts":
+                h[name] = draw(st.lists(part(), max_size=3)) if draw(st.integers(0, 6)) else draw(values)
+            elif draw(st.integers(0, 4)) == 0:
+                h[name] = draw(indexes if tag == "index" else values)
+            else:
+                h[name] = good[tag]
+        if draw(st.integers(0, 4)) == 0:
+            h[draw(st.text(max_size=4))] = draw(values)
+        if h and draw(st.integers(0, 4)) == 0:
+            h.pop(draw(st.sampled_from(list(h))), None)
+        return h
+
+    @st.composite
+    def part(draw):
+        return fields(draw, wire.PART_FIELDS) if draw(st.integers(0, 9)) else draw(values)
 
     @st.composite
     def headers(draw):
         kind = draw(st.sampled_from(list(wire._FIELDS)))
-        h = {"v": draw(st.sampled_from([1, 1, 1, 2, True, "1"])), "kind": kind}
-        for name, tag in wire._FIELDS[kind].items():
-            h[name] = draw(values) if draw(st.integers(0, 4)) == 0 else good[tag]
-        if draw(st.integers(0, 4)) == 0:
-            h[draw(st.text(max_size=4))] = draw(values)
-        if draw(st.integers(0, 4)) == 0:
-            h.pop(draw(st.sampled_from(list(h))), None)
+        h = {"v": draw(st.sampled_from([2, 2, 2, 1, 3, True, "2"])), "kind": kind}
+        h.update(fields(draw, wire._FIELDS[kind]))
         return h
 
     def check(frames):
@@ -191,8 +207,15 @@ def test_wire_decode_fuzz():
         assert type(m.header["v"]) is int
         if m.kind == "kv":
             h = m.header
-            assert len(m.payload) == 1 and m.payload[0].nbytes == h["nbytes"]
-            assert h["offset"] + h["nbytes"] <= wire.prod(h["lshape"]) * wire.DTYPES[h["dtype"]]
+            assert m.header["v"] == wire.VERSION
+            assert len(m.payload) == 1 and m.payload[0].nbytes == h["nbytes"] == sum(m.sizes)
+            assert 0 < len(h["parts"]) <= wire.MAX_PARTS and len(m.sizes) == len(h["parts"])
+            for p, n in zip(h["parts"], m.sizes):
+                assert set(p) == set(wire.PART_FIELDS)
+                for name in ("step", "layer", "seq"):
+                    assert type(p[name]) is int and 0 <= p[name] <= wire.MAX_INDEX
+                assert n == wire.prod(p["shape"]) * wire.DTYPES[p["dtype"]]
+                assert p["offset"] + n <= wire.prod(p["lshape"]) * wire.DTYPES[p["dtype"]]
         else:
             assert m.payload == ()
 
@@ -200,7 +223,8 @@ def test_wire_decode_fuzz():
                                    suppress_health_check=list(hypothesis.HealthCheck))
 
     @settings
-    @hypothesis.given(headers(), st.integers(0, 3), st.binary(max_size=32))
+    @hypothesis.given(headers(), st.integers(0, 3), st.one_of(st.binary(max_size=32), st.sampled_from([bytes(4),
+                                                                                                     bytes(8)])))
     def structured(h, nframes, payload):
         frames = [msgpack.packb(h, use_bin_type=True)] + [payload] * nframes
         check(frames)
@@ -219,30 +243,33 @@ def _random_message(rng: random.Random, xfers: list[str]) -> list[bytes]:
     x = rng.choice(xfers)
     k = rng.random()
     if k < 0.5:
-        lb = rng.choice([0, 8, 16, 64])
-        n = rng.choice([0, 8, 16, lb])
-        dtype = rng.choice(["uint8", "uint8", "float16"])
-        h = {"v": 1, "kind": "kv", "xfer": x, "layer": rng.randrange(3), "seq": rng.randrange(3),
-             "blocks": rng.sample(range(50), rng.randrange(4)), "dtype": dtype,
-             "shape": [n // 2 if dtype == "float16" else n], "nbytes": n, "offset": rng.choice([0, 8, 16, 48]),
-             "lshape": [lb]}
-        frames = [msgpack.packb(h), bytes(n)]
+        parts, total = [], 0
+        for _ in range(rng.choice([1, 1, 2, 3])):    # a chunk, or several parts packed together
+            lb = rng.choice([0, 8, 16, 64])
+            n = rng.choice([0, 8, 16, lb])
+            dtype = rng.choice(["uint8", "uint8", "float16"])
+            parts.append(wire.part(rng.choice([0, 0, 1, 5]), rng.randrange(3), rng.randrange(3),
+                                   rng.sample(range(50), rng.randrange(4)), dtype,
+                                   [n // 2 if dtype == "float16" else n], rng.choice([0, 8, 16, 48]), [lb]))
+            total += n
+        h = {"v": wire.VERSION, "kind": "kv", "xfer": x, "nbytes": total, "parts": parts}
+        frames = [msgpack.packb(h), bytes(total)]
         if rng.random() < 0.1:
             frames.append(b"extra")
         if rng.random() < 0.05:
             frames = frames[:1]
         return frames
     if k < 0.7:
-        return [msgpack.packb({"v": 1, "kind": "done", "xfer": x, "chunks": rng.randrange(4),
+        return [msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": x, "chunks": rng.randrange(4),
                                "layers": rng.randrange(3), "nbytes": rng.choice([0, 8, 16, 32]),
                                "digest": rng.choice(["", "ab"])})]
     if k < 0.8:
-        return [msgpack.packb({"v": 1, "kind": "abort", "xfer": x, "reason": "r"})]
+        return [msgpack.packb({"v": wire.VERSION, "kind": "abort", "xfer": x, "reason": "r"})]
     if k < 0.85:
-        return [msgpack.packb({"v": 1, "kind": "hello"})]
+        return [msgpack.packb({"v": wire.VERSION, "kind": "hello"})]
     if k < 0.9:
         return [rng.randbytes(rng.randrange(20))]
-    return [msgpack.packb({"v": 1, "kind": rng.choice(["credit", "ack", "nack", "kv"]), "xfer": x})]
+    return [msgpack.packb({"v": wire.VERSION, "kind": rng.choice(["credit", "ack", "nack", "kv"]), "xfer": x})]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -301,7 +328,7 @@ def test_one_peer_cannot_lock_other_peers_out_of_transfer_slots(closing):
     hostile = _raw_dealer(rx.address)
     try:
         for i in range(100):
-            hostile.send(msgpack.packb({"v": 1, "kind": "abort", "xfer": f"junk{i}", "reason": "x"}))
+            hostile.send(msgpack.packb({"v": wire.VERSION, "kind": "abort", "xfer": f"junk{i}", "reason": "x"}))
         _until(lambda: rx.stats.snapshot()["messages_received"] >= 100, what="aborts handled")
         _legit_transfer_works(rx)
     finally:
@@ -354,7 +381,7 @@ def test_a_peer_choosing_a_zero_prefixed_routing_id_cannot_kill_the_receiver(tmp
     socks = []
     try:
         host, port = p.stdout.readline().strip()[len("tcp://"):].rsplit(":", 1)
-        hello = msgpack.packb({"v": 1, "kind": "hello"})
+        hello = msgpack.packb({"v": wire.VERSION, "kind": "hello"})
         first = _zmtp_connect(host, int(port))          # anonymous: the ROUTER picks its id
         _zmtp_send(first, hello)
         socks.append(first)
@@ -450,13 +477,13 @@ def test_hostile_receiver_cannot_stall_a_sender_past_its_budget(closing):
             peer, head, *_ = router.recv_multipart()
             if msgpack.unpackb(head)["kind"] != "hello":
                 continue      # chunks, done: never answered
-            for d in ({"v": 1, "kind": "credit", "bytes": 1 << 14, "init": True, "max_message": 1 << 20},
-                      {"v": 1, "kind": "ack", "xfer": "nobody", "chunks": 0, "nbytes": 0},
-                      {"v": 1, "kind": "nack", "xfer": "nobody", "reason": "x"},
-                      {"v": 1, "kind": "credit", "bytes": 2 ** 64 - 1, "init": False, "max_message": 1}):
+            for d in ({"v": wire.VERSION, "kind": "credit", "bytes": 1 << 14, "init": True, "max_message": 1 << 20},
+                      {"v": wire.VERSION, "kind": "ack", "xfer": "nobody", "chunks": 0, "nbytes": 0},
+                      {"v": wire.VERSION, "kind": "nack", "xfer": "nobody", "reason": "x"},
+                      {"v": wire.VERSION, "kind": "credit", "bytes": 2 ** 64 - 1, "init": False, "max_message": 1}):
                 router.send_multipart([peer, msgpack.packb(d)])
             router.send_multipart([peer, b"\xc1junk"])
-            router.send_multipart([peer, msgpack.packb({"v": 1, "kind": "credit"}), b"extra"])
+            router.send_multipart([peer, msgpack.packb({"v": wire.VERSION, "kind": "credit"}), b"extra"])
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
@@ -501,7 +528,7 @@ def test_a_receivers_tiny_max_message_fails_the_transfer_instead_of_stalling_the
                 received.append(len(frames))
                 if msgpack.unpackb(frames[1])["kind"] == "hello":
                     router.send_multipart([frames[0], msgpack.packb(
-                        {"v": 1, "kind": "credit", "bytes": 1 << 40, "init": True, "max_message": 4096})])
+                        {"v": wire.VERSION, "kind": "credit", "bytes": 1 << 40, "init": True, "max_message": 4096})])
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
@@ -543,7 +570,7 @@ def test_a_flooding_receiver_cannot_hold_the_sender_in_one_call(closing):
                 frames = router.recv_multipart()
                 if msgpack.unpackb(frames[1])["kind"] == "hello":
                     router.send_multipart([frames[0], msgpack.packb(
-                        {"v": 1, "kind": "credit", "bytes": 1 << 30, "init": True, "max_message": 1 << 20})])
+                        {"v": wire.VERSION, "kind": "credit", "bytes": 1 << 30, "init": True, "max_message": 1 << 20})])
                     for _ in range(N):
                         router.send_multipart([frames[0], b"\xc1junk"])
                     flooded.set()

@@ -85,23 +85,23 @@ def _capture(c: Cluster, prompt: list[int], xfer: str):
     with KVReceiver(f"tcp://127.0.0.1:{free_port()}", curve=ServerKeys.load(c.kv_keys)) as rx:
         c.complete(purl, prompt, 1, {"do_remote_decode": True, "xfer_id": xfer, "remote_addr": rx.address})
         res = rx.wait(xfer, timeout=60)
-    assert res.ok and res.layers, res
+    assert res.ok and res.pieces, res
     return res
 
 
 def _replay(c: Cluster, decode: int, xfer: str, layers: dict, digest: str) -> None:
-    """Push `layers` ({wire layer: (blocks, torch tensor)}) to decode worker `decode` as an
+    """Push `layers` ({(step, layer): (blocks, torch tensor)}) to decode worker `decode` as an
     authenticated peer would, under transfer id `xfer`, closing it with `digest`."""
     from kvtransfer.auth import ClientKeys
     from kvtransfer.sender import KVSender
     with KVSender(c.kv_addr(decode), curve=ClientKeys.load(c.kv_keys), timeout=30) as tx:
-        for layer, (blocks, data) in sorted(layers.items()):
-            tx.send_layer(xfer, layer, blocks, data)
+        for (step, layer), (blocks, data) in sorted(layers.items()):
+            tx.send_layer(xfer, layer, blocks, data, step=step)
         tx.finish(xfer, digest=digest)
 
 
 def _genuine(res) -> dict:
-    return {k: (L.blocks, L.tensor()) for k, L in res.layers.items()}
+    return {k: (L.blocks, L.tensor()) for k, L in res.pieces.items()}
 
 
 # -- 1: one 24-byte message killed the receiver thread ---------------------------------------------
@@ -111,10 +111,10 @@ def test_01_junk_kv_messages_do_not_kill_the_receiver(cluster):
     before = _kv_status(c, 0)
     junk = [
         [json.dumps({}).encode()],
-        [b"\x83\xa1v\x01\xa4kind\xa4done\xa4xfer\xa0"],          # {"v": 1, "kind": "done", "xfer": ""}: the finding
-        [b"\x83\xa1v\x01\xa4kind\xa4done\xa4xfer\xda\x02\x58" + b"x" * 600],   # a 600-character id
+        [b"\x83\xa1v\x02\xa4kind\xa4done\xa4xfer\xa0"],          # {"v": 2, "kind": "done", "xfer": ""}: the finding
+        [b"\x83\xa1v\x02\xa4kind\xa4done\xa4xfer\xda\x02\x58" + b"x" * 600],   # a 600-character id
         [b"\x93not msgpack", b"junk"],
-        [b"\xc1"], [b""], [b"\x81\xa1v\x01"],
+        [b"\xc1"], [b""], [b"\x81\xa1v\x02"],
     ]
     s = c.kv_client(addr)                      # an authenticated but buggy peer
     for frames in junk:
@@ -150,7 +150,7 @@ def test_02_kv_that_does_not_fit_the_cache_is_a_load_failure_not_a_crash(cluster
     variants = {
         "dtype": {k: (b, t.to(torch.float32)) for k, (b, t) in good.items()},
         "block_shape": {k: (b, t[..., : t.shape[-1] // 2].contiguous()) for k, (b, t) in good.items()},
-        "missing_layer": {k: v for k, v in good.items() if k % 2 == 0},
+        "missing_layer": {k: v for k, v in good.items() if k[1] % 2 == 0},
         "block_positions": {k: ([x + 1000 for x in b], t) for k, (b, t) in good.items()},
     }
     for name, layers in variants.items():
@@ -183,11 +183,11 @@ def test_03_workers_authenticate_and_a_transfer_is_bound_to_its_request(cluster)
         assert http("GET", url + "/health")[0] == 200          # probes stay open
     # a peer without the cluster's CURVE keys gets no answer at all (no credit grant)
     anon = c.kv_client(c.kv_addr(0), authenticated=False)
-    anon.send(b"\x82\xa1v\x01\xa4kind\xa5hello")
+    anon.send(b"\x82\xa1v\x02\xa4kind\xa5hello")
     assert not anon.poll(3000), "an unauthenticated peer got an answer from the KV receiver"
     anon.close()
     ok = c.kv_client(c.kv_addr(0))
-    ok.send(b"\x82\xa1v\x01\xa4kind\xa5hello")
+    ok.send(b"\x82\xa1v\x02\xa4kind\xa5hello")
     assert ok.poll(30000), "an authenticated peer gets its credit grant"
     ok.close()
     # KV made for one prompt, pushed under the transfer id of a request with another prompt:
@@ -355,16 +355,16 @@ def test_09_a_flooding_peer_cannot_grow_the_receiver_without_bound(cluster):
     rss0 = group_rss_mb(pid)
     s = c.kv_client(c.kv_addr(1))
     s.setsockopt(zmq.SNDHWM, 0)
-    s.send(b"\x82\xa1v\x01\xa4kind\xa5hello")
+    s.send(b"\x82\xa1v\x02\xa4kind\xa5hello")
     import msgpack
     for k in range(20000):   # transfer ids never seen: each one a stored result on the old code
-        s.send(msgpack.packb({"v": 1, "kind": "done", "xfer": f"flood-{k}", "chunks": 0, "layers": 0,
+        s.send(msgpack.packb({"v": 2, "kind": "done", "xfer": f"flood-{k}", "chunks": 0, "layers": 0,
                               "nbytes": 0, "digest": ""}))
     blob = b"\x00" * (60 << 20)
     for k in range(5):       # 5 x 60 MiB of well-formed KV for transfers that never finish
-        head = msgpack.packb({"v": 1, "kind": "kv", "xfer": f"big-{k}", "layer": 0, "seq": 0, "blocks": [0],
-                              "dtype": "uint8", "shape": [len(blob)], "nbytes": len(blob), "offset": 0,
-                              "lshape": [len(blob)]})
+        part = {"step": 0, "layer": 0, "seq": 0, "blocks": [0], "dtype": "uint8", "shape": [len(blob)],
+                "offset": 0, "lshape": [len(blob)]}
+        head = msgpack.packb({"v": 2, "kind": "kv", "xfer": f"big-{k}", "nbytes": len(blob), "parts": [part]})
         s.send_multipart([head, blob], copy=False)
     del blob
     wait_for(lambda: _kv_status(c, 1).get("messages_received", 0) >= 20000, 120, "the receiver to take the flood in")

@@ -45,18 +45,17 @@ def _raw_dealer(address: str, ctx: zmq.Context | None = None) -> zmq.Socket:
 
 def _kv(xfer, layer=0, seq=0, n=16, offset=0, lbytes=None):
     """A valid kv message of n uint8 bytes (layer of lbytes bytes)."""
-    h = {"v": 1, "kind": "kv", "xfer": xfer, "layer": layer, "seq": seq, "blocks": [], "dtype": "uint8",
-         "shape": [n], "nbytes": n, "offset": offset, "lshape": [n if lbytes is None else lbytes]}
-    return [msgpack.packb(h), bytes(n)]
+    part = wire.part(0, layer, seq, [], "uint8", [n], offset, [n if lbytes is None else lbytes])
+    return [msgpack.packb({"v": wire.VERSION, "kind": "kv", "xfer": xfer, "nbytes": n, "parts": [part]}), bytes(n)]
 
 
 def _done(xfer, chunks=0, layers=0, nbytes=0, digest=""):
-    return msgpack.packb({"v": 1, "kind": "done", "xfer": xfer, "chunks": chunks, "layers": layers,
+    return msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": xfer, "chunks": chunks, "layers": layers,
                           "nbytes": nbytes, "digest": digest})
 
 
 def _abort(xfer, reason="x"):
-    return msgpack.packb({"v": 1, "kind": "abort", "xfer": xfer, "reason": reason})
+    return msgpack.packb({"v": wire.VERSION, "kind": "abort", "xfer": xfer, "reason": reason})
 
 
 def _until(pred, timeout=10.0, what="condition"):
@@ -95,9 +94,9 @@ def test_wire_error_only_carries_valid_transfer_ids():
     assert WireError("r", "d", xfer="x" * (wire.MAX_XFER_LEN + 1)).xfer is None
     assert WireError("r", "d", xfer=5).xfer is None
     assert WireError("r", "d", xfer="ok").xfer == "ok"
-    for bad in ({"v": 1, "kind": "done", "xfer": ""},
-                {"v": 1, "kind": "done", "xfer": "y" * 600, "chunks": 0},
-                {"v": 1, "kind": "abort", "xfer": "", "reason": "r"}):
+    for bad in ({"v": wire.VERSION, "kind": "done", "xfer": ""},
+                {"v": wire.VERSION, "kind": "done", "xfer": "y" * 600, "chunks": 0},
+                {"v": wire.VERSION, "kind": "abort", "xfer": "", "reason": "r"}):
         with pytest.raises(WireError) as ei:
             wire.decode([msgpack.packb(bad)], wire.SENDER_KINDS)
         assert ei.value.xfer is None
@@ -110,9 +109,9 @@ def test_empty_transfer_id_does_not_kill_the_receiver(closing):
     closing(rx)
     raw = _raw_dealer(rx.address)
     try:
-        raw.send(msgpack.packb({"v": 1, "kind": "done", "xfer": ""}))
-        raw.send(msgpack.packb({"v": 1, "kind": "done", "xfer": "z" * 600, "chunks": 0}))
-        raw.send_multipart([msgpack.packb({"v": 1, "kind": "kv", "xfer": ""}), bytes(4)])
+        raw.send(msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": ""}))
+        raw.send(msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": "z" * 600, "chunks": 0}))
+        raw.send_multipart([msgpack.packb({"v": wire.VERSION, "kind": "kv", "xfer": ""}), bytes(4)])
         _until(lambda: rx.stats.snapshot()["rejected_total"] >= 3, what="3 rejects")
         assert rx.alive
         _legit_roundtrip(rx.address, "after")
@@ -417,7 +416,7 @@ def test_digest_roundtrip_and_validation(closing):
         with pytest.raises(ValueError, match="digest"):
             tx.finish("dg", digest=bad)
         with pytest.raises(WireError, match="digest"):
-            wire.decode([msgpack.packb({"v": 1, "kind": "done", "xfer": "x", "chunks": 0, "layers": 0,
+            wire.decode([msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": "x", "chunks": 0, "layers": 0,
                                         "nbytes": 0, "digest": bad})], wire.SENDER_KINDS)
 
 
@@ -696,11 +695,13 @@ def test_rejected_transfer_fails_at_once_afterwards(closing):
     tx = KVSender(rx.address, timeout=30)
     closing(tx)
     tx.send_layer("dropped", 0, [0], np.ones(16, np.float32))
+    tx.flush("dropped")
     rx.discard("dropped")
     layer, deadline = 1, time.monotonic() + 10
     while True:  # until the sender has heard the nack (one of these calls raises it)
         try:
             tx.send_layer("dropped", layer, [0], np.ones(16, np.float32))
+            tx.flush("dropped")   # small layers are packed: send each one now
         except TransferError as e:
             first = str(e)
             break

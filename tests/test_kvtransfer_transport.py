@@ -44,12 +44,20 @@ def _raw_dealer(address: str) -> zmq.Socket:
 
 
 def _kv_header(xfer="x", layer=0, seq=0, blocks=(), dtype="float32", shape=(4,), nbytes=None, offset=0,
-               lshape=None, **extra):
-    h = {"v": 1, "kind": "kv", "xfer": xfer, "layer": layer, "seq": seq, "blocks": list(blocks), "dtype": dtype,
-         "shape": list(shape), "nbytes": 16 if nbytes is None else nbytes, "offset": offset,
-         "lshape": list(shape if lshape is None else lshape)}
+               lshape=None, step=0, **extra):
+    """A 'kv' header with one part (``extra`` goes into the header, not the part)."""
+    part = {"step": step, "layer": layer, "seq": seq, "blocks": list(blocks), "dtype": dtype, "shape": list(shape),
+            "offset": offset, "lshape": list(shape if lshape is None else lshape)}
+    h = {"v": wire.VERSION, "kind": "kv", "xfer": xfer, "nbytes": 16 if nbytes is None else nbytes, "parts": [part]}
     h.update(extra)
     return h
+
+
+def _until(pred, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def _layers():
@@ -82,14 +90,14 @@ def test_roundtrip_several_layers(kind, tmp_path, closing):
     assert sent.layers == len(layers) and sent.chunks == sum(nchunks.values())
     res = rx.wait("req-1", timeout=10)
     assert res.ok, res.error
-    assert set(res.layers) == set(layers)
+    assert set(res.pieces) == {(0, l) for l in layers}
     for l, a in layers.items():
         got = res.layer_array(l)
         assert got.dtype == a.dtype and got.shape == a.shape
         assert got.tobytes() == np.ascontiguousarray(a).tobytes()
-        assert res.layers[l].blocks == blocks[l]
+        assert res.pieces[0, l].blocks == blocks[l]
     # the 256 KiB layer came in 4 chunks, each with its own rows' block ids
-    assert [c.blocks for c in res.layers[1].chunks] == [blocks[1][i:i + 16] for i in range(0, 64, 16)]
+    assert [c.blocks for c in res.pieces[0, 1].chunks] == [blocks[1][i:i + 16] for i in range(0, 64, 16)]
     assert tx.stats.snapshot()["contiguous_copies"] == 2
     st = rx.stats.snapshot()
     assert st["transfers_completed"] == 1 and st["rejected_total"] == 0
@@ -261,7 +269,7 @@ def test_on_chunk_writes_into_destination(closing):
         tx.send_layer("dst", l, ids, src[l])
     tx.finish("dst", timeout=5)
     res = rx.wait("dst", timeout=5)
-    assert res.ok and res.layers == {} and res.chunks == 16
+    assert res.ok and res.pieces == {} and res.chunks == 16
     assert np.array_equal(dest[:, ids], src)
 
 
@@ -278,6 +286,97 @@ def test_on_chunk_failure_fails_transfer_and_sender_learns(closing):
         tx.finish("f", timeout=5)
     res = rx.wait("f", timeout=5)
     assert not res.ok and "no free blocks" in res.error
+
+
+# ------------------------------------------------------------------------ packing
+
+
+def test_small_layers_of_several_steps_travel_in_one_message(closing):
+    rx = KVReceiver()
+    closing(rx)
+    tx = KVSender(rx.address, timeout=5)
+    closing(tx)
+    rng = np.random.default_rng(5)
+    src = {(s, l): rng.standard_normal((2, 64)).astype(np.float16) for s in range(2) for l in range(32)}
+    for (s, l), a in src.items():
+        assert tx.send_layer("p", l, [2 * s, 2 * s + 1], a, step=s) == 1
+    assert rx.stats.snapshot()["messages_received"] <= 1   # nothing sent yet (but the hello)
+    sent = tx.finish("p", timeout=5)
+    st = tx.stats.snapshot()
+    assert st["messages_sent"] == 1 and st["layers_packed"] == 64 and sent.chunks == sent.layers == 64
+    res = rx.wait("p", timeout=5)
+    assert res.ok and sorted(res.pieces) == sorted(src)
+    for (s, l), a in src.items():
+        assert np.array_equal(res.layer_array(l, step=s), a) and res.pieces[s, l].blocks == [2 * s, 2 * s + 1]
+
+
+def test_flush_sends_the_pack_and_packs_respect_the_receivers_message_limit(closing):
+    rx = KVReceiver(max_message_bytes=16 << 10)
+    closing(rx)
+    tx = KVSender(rx.address, timeout=5)
+    closing(tx)
+    a = np.arange(1024, dtype=np.uint8)
+    tx.send_layer("f", 0, [], a)
+    tx.flush("f")
+    _until(lambda: rx.stats.snapshot()["chunks_received"] == 1, "the flushed layer")
+    tx.flush("f")   # nothing packed: nothing sent
+    tx.flush("never-started")
+    for l in range(1, 40):   # 39 KiB of 1 KiB layers, messages of at most 16 KiB
+        tx.send_layer("f", l, [], a)
+    tx.finish("f", timeout=5)
+    res = rx.wait("f", timeout=5)
+    assert res.ok and len(res.pieces) == 40 and rx.stats.snapshot()["rejected_total"] == 0
+    assert tx.stats.snapshot()["messages_sent"] >= 4
+
+
+def test_small_and_large_layers_keep_their_order_and_bytes(closing):
+    rx = KVReceiver()
+    closing(rx)
+    tx = KVSender(rx.address, chunk_bytes=64 << 10, timeout=5)
+    closing(tx)
+    rng = np.random.default_rng(6)
+    sizes = [100, 200_000, 10, 32 << 10, 64 << 10, 5]
+    src = {l: rng.integers(0, 255, n, dtype=np.uint8) for l, n in enumerate(sizes)}
+    parts = [tx.send_layer("m", l, [], a) for l, a in src.items()]
+    assert parts == [1, 4, 1, 1, 1, 1]
+    tx.finish("m", timeout=5)
+    res = rx.wait("m", timeout=5)
+    assert res.ok and all(res.layer_bytes(l) == a.tobytes() for l, a in src.items())
+    assert tx.stats.snapshot()["layers_packed"] == 4   # 100, 10, 32 KiB and 5 bytes
+
+
+def test_a_pack_with_one_bad_part_fails_its_transfer_only(closing):
+    rx = KVReceiver()
+    closing(rx)
+    raw = _raw_dealer(rx.address)
+    try:
+        good = _kv_header("bad-pack", layer=0)["parts"][0]
+        dup = dict(good)                                     # the same piece and seq again: out of order
+        raw.send_multipart([msgpack.packb({"v": wire.VERSION, "kind": "kv", "xfer": "bad-pack", "nbytes": 32,
+                                           "parts": [good, dup]}), bytes(32)])
+        res = rx.wait("bad-pack", timeout=5)
+        assert not res.ok and "bad_seq" in res.error
+        tx = KVSender(rx.address, timeout=5)
+        closing(tx)
+        tx.send_layer("fine", 0, [], np.arange(8, dtype=np.uint8))
+        tx.finish("fine", timeout=5)
+        assert rx.wait("fine", timeout=5).layer_bytes(0) == bytes(range(8))
+        with rx._cond:
+            assert rx._held == 0
+    finally:
+        raw.close(0)
+
+
+def test_abort_drops_an_unsent_pack(closing):
+    rx = KVReceiver()
+    closing(rx)
+    tx = KVSender(rx.address, timeout=5)
+    closing(tx)
+    tx.send_layer("gone", 0, [], np.arange(8, dtype=np.uint8))
+    tx.abort("gone", "request cancelled")
+    res = rx.wait("gone", timeout=5)
+    assert not res.ok and "request cancelled" in res.error
+    assert rx.stats.snapshot()["chunks_received"] == 0 and tx.stats.snapshot()["messages_sent"] == 0
 
 
 def test_torch_cpu_roundtrip(closing):
@@ -299,7 +398,7 @@ def test_torch_cpu_roundtrip(closing):
     res = rx.wait("t", timeout=5)
     assert res.ok, res.error
     for l, t in layers.items():
-        got = res.layers[l].tensor()
+        got = res.pieces[0, l].tensor()
         assert got.dtype == t.dtype and tuple(got.shape) == tuple(t.shape)
         assert torch.equal(got, t)
 
@@ -340,18 +439,38 @@ def test_plan_chunks_geometry():
 # ------------------------------------------------------------- wire validation
 
 
+def _part0(h: dict) -> dict:
+    return h["parts"][0]
+
+
 @pytest.mark.parametrize("mutate, reason, field", [
-    (lambda h: h.update(layer="3"), "bad_field", "layer"),
-    (lambda h: h.update(layer=True), "bad_field", "layer"),
-    (lambda h: h.update(seq=-1), "bad_field", "seq"),
-    (lambda h: h.update(blocks=[1, "2"]), "bad_field", "blocks"),
-    (lambda h: h.update(dtype="complex128"), "bad_dtype", "dtype"),
+    (lambda h: _part0(h).update(layer="3"), "bad_field", "layer"),
+    (lambda h: _part0(h).update(layer=True), "bad_field", "layer"),
+    (lambda h: _part0(h).update(seq=-1), "bad_field", "seq"),
+    (lambda h: _part0(h).update(blocks=[1, "2"]), "bad_field", "blocks"),
+    (lambda h: _part0(h).update(dtype="complex128"), "bad_dtype", "dtype"),
+    (lambda h: _part0(h).update(offset=8), "bad_offset", "offset"),
+    (lambda h: _part0(h).update(shape=[2]), "nbytes_mismatch", "nbytes"),
+    (lambda h: _part0(h).update(extra=1), "unknown_field", "extra"),
+    # the step has its own field (version 2), validated like every other
+    (lambda h: _part0(h).pop("step"), "missing_field", "step"),
+    (lambda h: _part0(h).update(step=-1), "bad_field", "step"),
+    (lambda h: _part0(h).update(step=True), "bad_field", "step"),
+    (lambda h: _part0(h).update(step=1.0), "bad_field", "step"),
+    (lambda h: _part0(h).update(step="0"), "bad_field", "step"),
+    (lambda h: _part0(h).update(step=wire.MAX_INDEX + 1), "bad_field", "step"),
+    (lambda h: _part0(h).update(layer=2 ** 63), "bad_field", "layer"),
+    (lambda h: h.update(parts=[]), "bad_field", "parts"),
+    (lambda h: h.update(parts={"0": 1}), "bad_field", "parts"),
+    (lambda h: h.update(parts=[1]), "bad_field", "parts[0]"),
+    (lambda h: h.update(parts=h["parts"] * (wire.MAX_PARTS + 1)), "bad_field", "parts"),
     (lambda h: h.update(nbytes=12), "nbytes_mismatch", "nbytes"),
     (lambda h: h.pop("xfer"), "missing_field", "xfer"),
     (lambda h: h.update(extra=1), "unknown_field", "extra"),
-    (lambda h: h.update(v=2), "bad_version", "v"),
+    # a version-1 header (the step folded into 'layer', one chunk per message)
+    (lambda h: h.update(v=1, layer=0, seq=0), "bad_version", "v"),
+    (lambda h: h.update(v=3), "bad_version", "v"),
     (lambda h: h.update(kind="ack"), "bad_kind", "kind"),
-    (lambda h: h.update(offset=8), "bad_offset", "offset"),
 ])
 def test_decode_rejects_bad_headers(mutate, reason, field):
     h = _kv_header()
@@ -360,6 +479,33 @@ def test_decode_rejects_bad_headers(mutate, reason, field):
         wire.decode([msgpack.packb(h), bytes(16)], wire.SENDER_KINDS)
     assert ei.value.reason == reason
     assert repr(field) in str(ei.value)
+
+
+def test_an_old_version_is_refused_with_a_clear_error(closing):
+    """A sender still speaking wire version 1 is told (nack) that the versions differ."""
+    with pytest.raises(WireError, match="wire version 2, the peer sent 1"):
+        wire.decode([msgpack.packb({"v": 1, "kind": "hello"})], wire.SENDER_KINDS)
+    rx = KVReceiver()
+    closing(rx)
+    raw = _raw_dealer(rx.address)
+    try:
+        old = {"v": 1, "kind": "kv", "xfer": "old", "layer": 0, "seq": 0, "blocks": [], "dtype": "float32",
+               "shape": [4], "nbytes": 16, "offset": 0, "lshape": [4]}
+        raw.send_multipart([msgpack.packb(old), bytes(16)])
+        reply = msgpack.unpackb(raw.recv())
+        assert reply["kind"] == "nack" and reply["xfer"] == "old" and "bad_version" in reply["reason"]
+        assert rx.stats.snapshot()["rejected"] == {"bad_version": 1}
+    finally:
+        raw.close(0)
+
+
+def test_several_parts_in_one_message_and_their_sizes():
+    parts = [dict(_part0(_kv_header(layer=l, step=s)), shape=[2 + l], lshape=[2 + l]) for s, l in ((0, 0), (3, 1))]
+    h = {"v": wire.VERSION, "kind": "kv", "xfer": "x", "nbytes": 4 * (2 + 3), "parts": parts}
+    m = wire.decode([msgpack.packb(h), bytes(20)], wire.SENDER_KINDS)
+    assert m.sizes == [8, 12] and [p["step"] for p in m.header["parts"]] == [0, 3]
+    with pytest.raises(WireError, match="nbytes_mismatch"):
+        wire.decode([msgpack.packb(dict(h, nbytes=16)), bytes(16)], wire.SENDER_KINDS)
 
 
 def test_decode_rejects_framing():
@@ -392,7 +538,7 @@ def test_receiver_rejects_malformed_and_keeps_serving(closing):
         raw.send_multipart([msgpack.packb(_kv_header("too-big", dtype="uint8", shape=[big], nbytes=big)),
                             bytes(big)])                                                           # too large
         raw.send_multipart([msgpack.packb(_kv_header("frames")), bytes(8), bytes(8)])            # frame count
-        raw.send_multipart([msgpack.packb({"v": 1, "kind": "done", "xfer": "d", "chunks": -1, "layers": 0,
+        raw.send_multipart([msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": "d", "chunks": -1, "layers": 0,
                                            "nbytes": 0, "digest": ""})])
         tx = KVSender(rx.address, timeout=5)
         closing(tx)
@@ -436,10 +582,10 @@ def test_truncated_transfer_is_an_error(closing):
         for seq in range(2):
             raw.send_multipart([msgpack.packb(_kv_header("trunc", seq=seq, shape=[4], lshape=[12], offset=16 * seq)),
                                 bytes(16)])
-        raw.send(msgpack.packb({"v": 1, "kind": "done", "xfer": "trunc", "chunks": 3, "layers": 1, "nbytes": 48,
-                                "digest": ""}))
+        raw.send(msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": "trunc", "chunks": 3, "layers": 1,
+                                "nbytes": 48, "digest": ""}))
         res = rx.wait("trunc", timeout=5)
-        assert not res.ok and "truncated" in res.error and res.layers == {}
+        assert not res.ok and "truncated" in res.error and res.pieces == {}
         while True:  # the sender gets a nack (after any credit returns)
             msg = msgpack.unpackb(raw.recv_multipart()[0])
             if msg["kind"] != "credit":
@@ -447,10 +593,10 @@ def test_truncated_transfer_is_an_error(closing):
         assert msg["kind"] == "nack" and msg["xfer"] == "trunc" and "truncated" in msg["reason"]
         # chunk counts match but a layer is short
         raw.send_multipart([msgpack.packb(_kv_header("short", shape=[4], lshape=[8])), bytes(16)])
-        raw.send(msgpack.packb({"v": 1, "kind": "done", "xfer": "short", "chunks": 1, "layers": 1, "nbytes": 16,
-                                "digest": ""}))
+        raw.send(msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": "short", "chunks": 1, "layers": 1,
+                                "nbytes": 16, "digest": ""}))
         res = rx.wait("short", timeout=5)
-        assert not res.ok and "truncated: layer 0 has 16 of 32 bytes" in res.error
+        assert not res.ok and "truncated: layer 0 of step 0 has 16 of 32 bytes" in res.error
     finally:
         raw.close(0)
 
@@ -463,14 +609,14 @@ def test_abort_drops_partial_data_and_rejects_late_chunks(closing):
     tx.send_layer("ab", 0, [0], np.zeros(100, np.float32))
     tx.abort("ab", reason="request cancelled")
     res = rx.wait("ab", timeout=5)
-    assert not res.ok and "request cancelled" in res.error and res.layers == {}
+    assert not res.ok and "request cancelled" in res.error and res.pieces == {}
     raw = _raw_dealer(rx.address)
     try:
         # another connection cannot touch "ab" (it belongs to tx's connection) ...
         raw.send_multipart([msgpack.packb(_kv_header("ab")), bytes(16)])
         # ... and a late chunk of a transfer its own sender aborted is refused
         raw.send_multipart([msgpack.packb(_kv_header("ab2")), bytes(16)])
-        raw.send(msgpack.packb({"v": 1, "kind": "abort", "xfer": "ab2", "reason": "cancelled"}))
+        raw.send(msgpack.packb({"v": wire.VERSION, "kind": "abort", "xfer": "ab2", "reason": "cancelled"}))
         raw.send_multipart([msgpack.packb(_kv_header("ab2", seq=1)), bytes(16)])
         deadline = time.monotonic() + 5
         while rx.stats.snapshot()["rejected"] != {"peer_mismatch": 1, "aborted_xfer": 1}:
@@ -487,6 +633,7 @@ def test_wait_times_out_and_receiver_keeps_serving(closing):
     tx = KVSender(rx.address, timeout=5)
     closing(tx)
     tx.send_layer("never-done", 0, [0], np.zeros(10, np.float32))
+    tx.flush("never-done")   # a small layer waits in the pack until flushed (or 'done')
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout, match="never-done.*within 0.3 s.*1 chunks"):
         rx.wait("never-done", timeout=0.3)
