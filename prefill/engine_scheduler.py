@@ -48,7 +48,8 @@ in the step, in vLLM's order: running requests first, then the waiting ones),
 and ``plan``, what the policy decided and from which state (``null`` for
 "stock"):
 
-* ``now``, ``beta`` (the β the policy planned with), ``t_budget``,
+* ``now``, ``beta`` and ``delta`` (the online correction β·T + δ the policy
+  planned with; δ is 0 under ``correction = "scale"``), ``t_budget``,
   ``n_urgent``, ``n_normal``, ``est`` and ``items`` (``[id, chunk, urgent]``
   of the batch, in plan order; decodes have chunk 1);
 * ``terms``: the policy's per-request terms of the step (``BatchPlan.terms``,
@@ -59,8 +60,8 @@ and ``plan``, what the policy decided and from which state (``null`` for
   ``free_blocks``, ``block_size``, ``reserve_blocks`` and its ``waiting`` and
   ``decoding`` requests in view order, each with the fields a policy reads
   (see :func:`request_record`). Rebuilding the view with
-  :func:`view_from_record` and giving it to the same policy at the same β
-  reproduces the plan.
+  :func:`view_from_record` and giving it to the same policy at the same β and
+  δ reproduces the plan.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class ProServeScheduler(Scheduler):
         self._plan_record: dict | None = None
         self._plan_view: InstanceView | None = None   # the view of that plan, recorded after timing
         self._plan = None          # the BatchPlan of the step in flight, for policy.on_batch_done
+        self._failing: dict[str, str] = {}   # request id -> why, failed until update_from_output reports it
         self.last_info = None      # ScheduleInfo of the latest plan
         self.steps = 0
         self._record = open(cfg.record_steps, "a", buffering=1) if cfg.record_steps else None
@@ -149,15 +151,19 @@ class ProServeScheduler(Scheduler):
         for r in out:
             # stop strings end requests here too (the front end detects them), not only aborts
             self._finished(self._views.pop(r.request_id, None), now,
-                           aborted=finished_status == vllm_shim.ABORTED)
+                           aborted=finished_status == vllm_shim.ABORTED,
+                           error=self._failing.pop(r.request_id, None))
         return out
 
-    def _finished(self, v: PolicyRequest | None, now: float, aborted: bool = False) -> None:
+    def _finished(self, v: PolicyRequest | None, now: float, aborted: bool = False,
+                  error: str | None = None) -> None:
         """Tell the policy a request ended (policies that learn output lengths need it)."""
         if v is None:
             return
         self._order.forget(v.id)
-        if aborted:
+        if error is not None:
+            v.fail(error)
+        elif aborted:
             v.end("aborted")
         elif self.mode == PREFILL_ONLY:
             # a prefill-only engine hands the request off after its first token: its true
@@ -171,7 +177,7 @@ class ProServeScheduler(Scheduler):
     def _sync(self, req) -> PolicyRequest | None:
         """Refresh the policy's copy of a vLLM request; None if it cannot be scheduled now."""
         v = self._views.get(req.request_id)
-        if v is None or req.status not in vllm_shim.SCHEDULABLE:
+        if v is None or req.status not in vllm_shim.SCHEDULABLE or req.request_id in self._failing:
             return None
         done = req.num_computed_tokens
         n_out = req.num_output_tokens
@@ -215,6 +221,9 @@ class ProServeScheduler(Scheduler):
         now = self.wall_clock()
         view = self._view(now)
         plan = self.host.plan(view)
+        while plan.empty and self._unstick(view, now):
+            view = self._view(now)
+            plan = self.host.plan(view)
         self.last_info = plan.info
         self._plan = plan if not plan.empty else None
         if self._record is not None:
@@ -222,6 +231,7 @@ class ProServeScheduler(Scheduler):
             self._plan_record = {
                 "t_budget": plan.info.t_budget, "n_urgent": plan.info.n_urgent, "n_normal": plan.info.n_normal,
                 "est": plan.info.est_time, "now": now, "beta": self.estimator.beta,
+                "delta": self.estimator.delta,
                 "items": [[r.id, n, r.id in urgent] for r, n in plan.prefill] + [[r.id, 1, r.id in urgent]
                                                                                  for r in plan.decode],
                 "terms": plan.terms.of() if plan.terms is not None else None}
@@ -241,6 +251,25 @@ class ProServeScheduler(Scheduler):
                          self.steps, self.estimator.beta, info.t_budget, info.n_urgent, info.n_normal,
                          plan.num_tokens, info.est_time)
         return out
+
+    def _unstick(self, view: InstanceView, now: float) -> bool:
+        """The plan is empty although requests are queued: free memory by the simulator's
+        rule (``LocalHost.unstick``) through vLLM's own preemption and error paths; True if
+        something changed and the step should be planned again. Without this an engine whose
+        KV is held by partial prefills the policy will not run now schedules nothing, for ever."""
+        if not view.waiting and not view.decoding:
+            return False
+        what = self.host.unstick(view, idle=vllm_shim.holds_no_kv(self))
+        if what.preempt is not None:
+            logger.info("empty plan with KV held: preempting %s", what.preempt.id)
+            return vllm_shim.preempt(self, what.preempt.id, now)
+        for r in what.fail:
+            logger.warning("request %s: %d tokens to prefill do not fit the KV cache of %d blocks; failing it",
+                           r.id, r.prefill_len, view.free_blocks)
+            self._failing[r.id] = "request does not fit in KV memory"
+        if what.fail:
+            vllm_shim.fail(self, [r.id for r in what.fail])
+        return not what.wait
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # the last per-request clamp of vLLM's schedule(): apply the plan's chunk here
@@ -360,7 +389,9 @@ def request_from_record(d: dict) -> PolicyRequest:
 
 
 def view_from_record(plan_record: dict) -> InstanceView:
-    """The :class:`InstanceView` a step record's ``plan`` was made from (its ``now`` and ``view``)."""
+    """The :class:`InstanceView` a step record's ``plan`` was made from (its ``now`` and ``view``);
+    the policy decides on it as recorded at the plan's ``beta`` and ``delta`` (a record written
+    before δ was recorded has no ``delta``: read it as 0)."""
     v = plan_record["view"]
     return InstanceView(now=plan_record["now"], waiting=[request_from_record(d) for d in v["waiting"]],
                         decoding=[request_from_record(d) for d in v["decoding"]], free_blocks=v["free_blocks"],

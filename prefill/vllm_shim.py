@@ -17,6 +17,12 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
   it to apply the plan's chunk.
 * ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()`` and
   ``.num_gpu_blocks``: the free and total KV blocks the policy sees.
+* ``Scheduler._preempt_request(request, timestamp)`` (a running request, taken out of
+  ``running`` first, back to the waiting queue with its KV freed) and the
+  ``Scheduler.grammar_compile_error_reqs`` set (requests ``update_from_output``
+  finishes with FINISHED_ERROR and reports to the client): :func:`preempt` and
+  :func:`fail`, how the plugin frees memory when its plan is empty
+  (``LocalHost.unstick``).
 * ``vllm.v1.request.RequestStatus`` (WAITING, RUNNING, PREEMPTED,
   FINISHED_ABORTED) and the request fields ``num_computed_tokens``,
   ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``.
@@ -54,6 +60,9 @@ ABORTED = RequestStatus.FINISHED_ABORTED
 _LOOKAHEAD = "_reserve_prefill_lookahead"
 _LOOKAHEAD_PARAMS = ["self", "request", "num_computed_tokens", "num_new_tokens"]
 _QUEUE_METHODS = ("add_request", "remove_requests", "prepend_requests")
+_PREEMPT = "_preempt_request"
+_PREEMPT_PARAMS = ["self", "request", "timestamp"]
+_ERRORS = "grammar_compile_error_reqs"
 
 
 class UnsupportedVLLM(ConfigError):
@@ -83,6 +92,10 @@ def check(version: str | None = None, scheduler_cls: type = Scheduler) -> None:
     if params != _LOOKAHEAD_PARAMS:
         raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_LOOKAHEAD} takes ({', '.join(params)}), not the "
                               f"({', '.join(_LOOKAHEAD_PARAMS)}) the ProServe scheduler overrides")
+    preempt_hook = getattr(scheduler_cls, _PREEMPT, None)
+    if not callable(preempt_hook) or list(inspect.signature(preempt_hook).parameters)[:3] != _PREEMPT_PARAMS:
+        raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_PREEMPT}({', '.join(_PREEMPT_PARAMS[1:])}, ...) is "
+                              f"missing; the ProServe scheduler preempts through it when its plan is empty")
     queue = create_request_queue(SchedulingPolicy.FCFS)
     missing = [m for m in _QUEUE_METHODS if not callable(getattr(queue, m, None))]
     if missing:
@@ -95,6 +108,9 @@ def check_instance(sched: Scheduler) -> None:
         if not hasattr(sched, name):
             raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{name} is missing; the ProServe "
                                   f"scheduler reads and reorders vLLM's queues")
+    if not isinstance(getattr(sched, _ERRORS, None), set):
+        raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{_ERRORS} is missing; the ProServe "
+                              f"scheduler fails requests that can never fit the KV cache through it")
     pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
     if not callable(getattr(pool, "get_num_free_blocks", None)) or not isinstance(
             getattr(pool, "num_gpu_blocks", None), int):
@@ -124,6 +140,24 @@ def free_blocks(sched: Scheduler) -> int:
 
 def total_blocks(sched: Scheduler) -> int:
     return sched.kv_cache_manager.block_pool.num_gpu_blocks
+
+
+def preempt(sched: Scheduler, request_id: str, timestamp: float) -> bool:
+    """Recompute-preempt a running request as vLLM's own ``schedule()`` does when memory
+    runs out: out of ``running``, its KV blocks freed, first in the waiting queue (which
+    ``_preempt_request`` does itself). False if it is not running (nothing was done)."""
+    req = sched.requests.get(request_id)
+    if req is None or req.status != RequestStatus.RUNNING:
+        return False
+    sched.running.remove(req)
+    sched._preempt_request(req, timestamp)
+    return True
+
+
+def fail(sched: Scheduler, request_ids) -> None:
+    """Have the next ``update_from_output()`` finish these requests with FINISHED_ERROR and
+    report them to their clients (vLLM's path for requests it cannot serve)."""
+    getattr(sched, _ERRORS).update(request_ids)
 
 
 @contextlib.contextmanager

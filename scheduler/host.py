@@ -12,6 +12,8 @@ its own state into these calls:
   sees (with the admission reserve), the plan, the tokens each request runs in
   the step, the online correction β (§4.1) and the policy's notifications
   (``on_batch_done``, ``on_request_finished``);
+* :meth:`LocalHost.unstick`, what to free when the plan is empty although work is
+  queued (which request to preempt or fail), so that no body waits for ever;
 * :class:`ViewOrder`, the order in which an instance lists its requests to the
   policy (which ties between equal requests follow);
 * :class:`RouterHost`, the global side: routing, and the PrefillQueueMap of
@@ -28,6 +30,7 @@ seconds on the body's clock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from .estimator import Estimator
 from .local.base import (
@@ -42,6 +45,22 @@ from .request import Request
 from .routing.base import DecodeInstance, GlobalPolicy, PrefillInstance, PrefillQueueMap
 
 # -- one engine instance ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unstick:
+    """What frees an instance whose policy planned nothing although work is queued
+    (:meth:`LocalHost.unstick`): recompute-preempt ``preempt``, or fail the requests of
+    ``fail`` (they can never fit the empty cache), or, with neither, wait (memory held by
+    finished prefills waiting for their KV transfer frees itself)."""
+
+    preempt: Request | None = None
+    fail: tuple[Request, ...] = ()
+
+    @property
+    def wait(self) -> bool:
+        return self.preempt is None and not self.fail
+
 
 
 class LocalHost:
@@ -83,6 +102,28 @@ class LocalHost:
         if not view.waiting and not view.decoding:
             return BatchPlan()
         return self.policy.schedule(view)
+
+    def unstick(self, view: InstanceView, idle: bool) -> Unstick:
+        """The plan for ``view`` came out empty although requests are queued: KV memory is
+        held by requests the policy will not run now, and an engine that only waits would
+        wait for ever. Free some, as vLLM would: recompute-preempt the most recently started
+        partial prefill, else the newest decode; with nothing holding KV (``idle``), fail the
+        requests that cannot fit even the empty cache (a re-prefill after preemption can
+        outgrow it), or, if there are none, the policy declined them all and the oldest goes.
+        Not idle with nothing to preempt (a prefill-only instance whose blocks hold finished
+        prefills waiting for their KV transfer): wait. The body applies the decision, then
+        plans again."""
+        partial = [r for r in view.waiting if r.kv_len > 0]
+        if partial:
+            return Unstick(preempt=partial[-1])
+        if view.decoding:
+            return Unstick(preempt=view.decoding[-1])
+        if not idle or not view.waiting:
+            return Unstick()
+        # idle: every block is free, so view.free_blocks is the capacity of the empty cache
+        bs = view.block_size
+        never = [r for r in view.waiting if -(-(r.prefill_len + 1) // bs) > view.free_blocks]
+        return Unstick(fail=tuple(never or view.waiting[:1]))
 
     def tokens(self, plan: BatchPlan, view: InstanceView) -> dict[str, int]:
         """Request id -> tokens it runs this step, in plan order: each planned prefill its

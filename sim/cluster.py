@@ -316,14 +316,15 @@ class Simulator:
                     plan.decode.append(r)
         else:
             host = inst.host
-            plan = host.plan(host.view(now, inst.waiting, inst.decoding, inst.free_blocks,
-                                       idle=inst.free_blocks == inst.total_blocks))
+            view = host.view(now, inst.waiting, inst.decoding, inst.free_blocks,
+                             idle=inst.free_blocks == inst.total_blocks)
+            plan = host.plan(view)
             if self.cfg.record_timeline:
                 i = plan.info
                 self.timeline.append(TimelinePoint(now, inst.id, i.n_urgent, i.n_normal, i.t_budget,
                                                    len(inst.waiting), len(inst.decoding)))
         if plan.empty:
-            return self._unstick(inst, now)
+            return self._unstick(inst, now, None if inst.mode == "decode" else view)
         # allocate KV blocks for the step
         for r, n in plan.prefill:
             if r.kv_len == 0:
@@ -354,10 +355,11 @@ class Simulator:
         self._push(float(inst.macro_times[k - 1]), _STEP_DONE, (inst, inst.version))
         return False
 
-    def _unstick(self, inst: _Instance, now: float) -> bool:
+    def _unstick(self, inst: _Instance, now: float, view) -> bool:
         """The policy planned nothing although work is queued: KV memory is held by
-        requests the policy will not run now. Free some, as vLLM would; True if the
-        step should be planned again."""
+        requests the policy will not run now. Free some, as vLLM would (which request:
+        ``LocalHost.unstick``, the rule the engine plugin follows too); True if the step
+        should be planned again."""
         if inst.mode == "decode":
             # every running decode sits at a block boundary and no block is free: swap the
             # newest one out (its KV leaves the device) and back in when blocks free up,
@@ -367,37 +369,26 @@ class Simulator:
             inst.pending_kv.insert(0, victim)
             self.preemptions += 1
             return True
-        partial = [r for r in inst.waiting if r.kv_len > 0]
-        if partial:
-            victim = partial[-1]          # the most recently started partial prefill
+        what = inst.host.unstick(view, idle=inst.free_blocks == inst.total_blocks)
+        victim = what.preempt
+        if victim is not None:
             inst.free_blocks += inst.blocks_held(victim)
-            victim.preempt()
+            if victim.phase is Phase.DECODING:
+                inst.decoding.remove(victim)   # recompute-preempt a decode: back to prefill, first
+                victim.preempt()
+                self.router_host.requeued(victim, now)
+                inst.waiting.insert(0, victim)
+            else:
+                victim.preempt()               # a partial prefill: already queued, starts over
             inst.admitted.pop(victim.id, None)
             self.preemptions += 1
-        elif inst.decoding:
-            victim = inst.decoding.pop()  # recompute-preempt the newest decode
-            inst.free_blocks += inst.blocks_held(victim)
-            victim.preempt()
-            inst.admitted.pop(victim.id, None)
-            self.preemptions += 1
-            self.router_host.requeued(victim, now)
-            inst.waiting.insert(0, victim)
-        elif inst.free_blocks < inst.total_blocks:
-            # prefill-only instance whose blocks hold finished prefills waiting for their
-            # KV transfer: wait; _on_kv_arrived wakes it when they are freed
-            return False
-        elif inst.waiting:
-            # nothing holds memory and still nothing was planned: fail the requests that
-            # cannot fit even the empty cache (a re-prefill after preemption can outgrow
-            # it); if there are none, the policy declined them all and the oldest goes
-            bs = self.block_size
-            never = [r for r in inst.waiting if -(-(r.prefill_len + 1) // bs) > inst.total_blocks]
-            for r in never or inst.waiting[:1]:
-                inst.waiting.remove(r)
-                self._fail(r, "request does not fit in KV memory", now)
-        else:
-            return False
-        return True
+            return True
+        # a prefill-only instance whose blocks hold finished prefills waiting for their KV
+        # transfer waits (_on_kv_arrived wakes it); else fail what can never fit
+        for r in what.fail:
+            inst.waiting.remove(r)
+            self._fail(r, "request does not fit in KV memory", now)
+        return not what.wait
 
     def _macro_len(self, inst: _Instance, decodes: list[Request]) -> int:
         k = min(self.cfg.max_macro_steps, min(r.output_len - r.num_emitted for r in decodes))

@@ -140,15 +140,18 @@ def _record_plans(policy, est, log: list) -> None:
 # -- (a) the simulator ----------------------------------------------------------------------------
 
 
-def sim_run(policy: str, mode: str, events: list[dict], told_at_hand_off: bool = False) -> tuple[list, dict]:
+def sim_run(policy: str, mode: str, events: list[dict], told_at_hand_off: bool = False, params: dict | None = None,
+            blocks: int | None = None, preemptions_ok: bool = False) -> tuple[list, dict]:
     """The decisions of the simulator's (only) instance, and every request's token times.
 
     ``told_at_hand_off``: bridge the known difference (module docstring) the plugin's way: the
     prefill instance's policy hears of a request when it is handed off, without its length,
-    and not when it ends on the decode side."""
+    and not when it ends on the decode side. ``params``: the policy's parameters; ``blocks``: KV
+    blocks other than ``BLOCKS[mode]``; ``preemptions_ok``: a scenario that preempts on purpose."""
     dep = COLOCATED if mode == COLOCATED else "disaggregated"
     cfg = SimConfig(deployment=dep, instances=1, prefill_instances=1, decode_instances=1, local_policy=policy,
-                    global_policy="round_robin", true_model=TRUTH, num_kv_blocks=BLOCKS[mode], block_size=BLOCK_SIZE,
+                    local_params=dict(params or {}), global_policy="round_robin", true_model=TRUTH,
+                    num_kv_blocks=blocks or BLOCKS[mode], block_size=BLOCK_SIZE,
                     kv_bytes_per_token=1, kv_bandwidth=1e30, theta=THETA, window_s=WINDOW_S, fast_forward=False)
     sim = Simulator(MODEL, cfg, GAIN, default_classes())
     for d in sim.decoders:              # the decode side always takes a hand-off at once
@@ -177,7 +180,7 @@ def sim_run(policy: str, mode: str, events: list[dict], told_at_hand_off: bool =
     reqs = [Request(e["id"], e["cls"], classes[e["cls"]].weight, classes[e["cls"]].ttft_slo,
                     classes[e["cls"]].tpot_slo, e["arrival"], e["prompt"], e["output"]) for e in events]
     res = sim.run(reqs)
-    assert res.preemptions == 0, "the scenario is sized to run without preemptions"
+    assert preemptions_ok or res.preemptions == 0, "the scenario is sized to run without preemptions"
     # a prefill-only instance's part of a request ends with its first token
     times = {r.id: (r.token_times[:1] if mode == PREFILL_ONLY else list(r.token_times)) for r in reqs}
     return log, times
@@ -206,8 +209,8 @@ def vllm_parts():
     model_config = ModelConfig(model=str(TINY), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16",
                                enforce_eager=True)
 
-    def scheduler(proserve: dict) -> ProServeScheduler:
-        blocks = BLOCKS[proserve["mode"]] + 1
+    def scheduler(proserve: dict, blocks: int | None = None) -> ProServeScheduler:
+        blocks = (blocks or BLOCKS[proserve["mode"]]) + 1
         cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
         cache.num_gpu_blocks = blocks
         sched_cfg = SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=128, max_model_len=2048,
@@ -223,12 +226,14 @@ def vllm_parts():
                            ModelRunnerOutput=ModelRunnerOutput)
 
 
-def plugin_run(vp, policy: str, mode: str, events: list[dict], tweak=None) -> tuple[list, dict]:
+def plugin_run(vp, policy: str, mode: str, events: list[dict], tweak=None, params: dict | None = None,
+               blocks: int | None = None) -> tuple[list, dict]:
     """The decisions of the plugin on a vLLM scheduler that the test runs as the engine would
     (``schedule()``, the model, ``update_from_output()``, again while it has requests), and every
-    request's token times. ``tweak(sched)``, if given, breaks the adapter first."""
+    request's token times. ``tweak(sched)``, if given, breaks the adapter first; ``params`` and
+    ``blocks`` as for :func:`sim_run`."""
     sched = vp.scheduler({"local_policy": policy, "mode": mode, "latency_model": str(MODEL_PATH),
-                          "theta": THETA, "window_s": WINDOW_S})
+                          "theta": THETA, "window_s": WINDOW_S, "policy_params": dict(params or {})}, blocks)
     clock = SimpleNamespace(wall=T0, step=0.0)
     sched.wall_clock = lambda: clock.wall     # simulated Unix time
     sched.step_clock = lambda: clock.step     # 0 when schedule() ends, the step's duration at its output
