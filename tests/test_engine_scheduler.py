@@ -58,9 +58,9 @@ LONG = 1800
 #: i.e. ~700 steps for the two long scenarios (seen: > 600 s at load 19 on 2 cores); 0.5 s holds
 #: ~75 at β = 20 and still splits an 1800-token prompt at β ≈ 1. Nothing checked depends on η
 #: beyond that: the replay uses the same configuration.
-# β alone: the step record's plan carries β, not the offset δ that a replay would need too
-PROSERVE = {"local_policy": "slide_batching", "mode": PREFILL_ONLY, "policy_params": {"eta": 0.5},
-            "correction": "scale"}
+#: the default online correction (β·T + δ): the step record's plan carries both, and the replay
+#: decides at them
+PROSERVE = {"local_policy": "slide_batching", "mode": PREFILL_ONLY, "policy_params": {"eta": 0.5}}
 #: seconds between a scenario's submission and its first step the scenarios are sized for
 MAX_DELAY = 10.0
 #: every β the engine can plan with: the online corrector's clamp
@@ -116,10 +116,12 @@ def considered(view: InstanceView | dict) -> list:
     return list(view.waiting) + (list(view.decoding) if view.mode == COLOCATED else [])
 
 
-def decide(parts, view: InstanceView, beta: float) -> dict:
-    """What the policy decides on ``view`` at ``beta``: the plan and Alg. 1's full order."""
+def decide(parts, view: InstanceView, beta: float, delta: float = 0.0) -> dict:
+    """What the policy decides on ``view`` at the correction ``beta``, ``delta``: the plan and
+    Alg. 1's full order."""
     policy = parts.policy
     parts.estimator.corrector.beta = beta
+    parts.estimator.corrector.delta = delta
     plan = policy.schedule(view)
     t = plan.terms                            # exec, remain, density, URGENT of every request in Q
     assert [r.id for r in t.requests] == [r.id for r in considered(view)]
@@ -279,7 +281,7 @@ def test_engine_admits_in_slide_batching_order(tmp_path):
         for rec in recs:
             plan = rec["plan"]
             # 1. the recorded plan is the policy's decision on the recorded state
-            d = decide(parts, view_from_record(plan), plan["beta"])
+            d = decide(parts, view_from_record(plan), plan["beta"], plan["delta"])
             assert d["items"] == plan["items"], (name, rec["step"], d["items"], plan["items"])
             assert (d["t_budget"], d["n_urgent"], d["n_normal"], d["est"]) == \
                 (plan["t_budget"], plan["n_urgent"], plan["n_normal"], plan["est"]), (name, rec["step"], plan)
@@ -298,5 +300,5 @@ def test_engine_admits_in_slide_batching_order(tmp_path):
         delay = first["now"] - done[k]["submitted_at"]
         assert 0 <= delay <= MAX_DELAY, f"{name}: first step {delay:.3f} s after submission (sized for {MAX_DELAY})"
         assert BETA_MIN <= first["beta"] <= BETA_MAX, first["beta"]
-        d = decide(parts, view_from_record(first), first["beta"])
+        d = decide(parts, view_from_record(first), first["beta"], first["delta"])
         assert intent_problems(name, d, lambda rid: locate(rid)[1], lens) == [], (name, first)
