@@ -3,12 +3,15 @@
 * :mod:`scheduler.request`   — the request model
 * :mod:`scheduler.tdg`       — TDG gain (Eq. 3) and the §5.1 metrics
 * :mod:`scheduler.estimator` — batch latency estimator (Eq. 4-7) with online β
-* :mod:`scheduler.local`     — SlideBatching (Alg. 1), baselines, ablations
-* :mod:`scheduler.routing`   — GoRouting (Alg. 2) and global baselines
+* :mod:`scheduler.local`     — SlideBatching (Alg. 1) and its §5.4 ablations
+* :mod:`scheduler.routing`   — GoRouting (Alg. 2)
+* :mod:`scheduler.baselines` — the paper's baselines, local and global (§3.2, §5.1)
+* :mod:`scheduler.alternatives` — other papers' schedulers, one subpackage per paper
+* :mod:`scheduler.validate`  — the value checks every configuration uses
 * :mod:`scheduler.registry`  — choose any policy by name
 """
 
-from . import local, routing  # noqa: F401  (registers the policies)
+from . import alternatives, baselines, local, routing  # noqa: F401  (registers the policies)
 from .config import default_classes
 from .estimator import BatchSample, Estimator, LatencyModel, OnlineCorrector
 from .registry import global_names, local_names, make_global, make_local

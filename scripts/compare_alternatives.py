@@ -18,13 +18,13 @@ Every run is scored on (overall and per priority class):
   throughput (``scheduler.tdg.summarize``);
 * JITServe's token goodput ratio (tokens on their TTFT + (i-1)·TPOT timeline
   over tokens to produce) and request goodput ratio
-  (``scheduler.paper_metrics.jitserve``);
+  (``scheduler.alternatives.jitserve.metrics``);
 * SLOs-Serve's per-request attainment, on its §3.2 deadline line (the
-  default) and on its §6 10-token windows (``scheduler.paper_metrics.slos_serve``),
+  default) and on its §6 10-token windows (``scheduler.alternatives.slos_serve.metrics``),
   and, over the rates of a sweep, its serving capacity: the rate at which
   attainment crosses 90 % (per seed, then mean ± sd);
 * UniBoost's P99 TTLT, i.e. last token minus arrival, over completed requests
-  (``scheduler.paper_metrics.uniboost``; unfinished requests are counted).
+  (``scheduler.alternatives.uniboost.metrics``; unfinished requests are counted).
 
 Writes ``<deployment>.json`` (every run, the seed means, the capacities, the
 configuration and the wall time), ``<deployment>.md`` (tables) and
@@ -60,7 +60,9 @@ from typing import Iterable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.paper_metrics import jitserve, slos_serve, uniboost  # noqa: E402
+from scheduler.alternatives.jitserve import metrics as jitserve  # noqa: E402
+from scheduler.alternatives.slos_serve import metrics as slos_serve  # noqa: E402
+from scheduler.alternatives.uniboost import metrics as uniboost  # noqa: E402
 from sim.__main__ import RunSpec, _gain, _load_model, _workload  # noqa: E402
 from sim.cluster import SimConfig, Simulator  # noqa: E402
 from sim.report import _clean, lookup, metrics_dict  # noqa: E402

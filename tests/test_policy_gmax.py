@@ -21,10 +21,10 @@ import pytest
 
 from scheduler import ConfigError, Estimator, LatencyModel, Request, make_global, make_local
 from scheduler.estimator import OnlineCorrector
-from scheduler.length_bound import LengthBound
+from scheduler.alternatives.jitserve.length_bound import LengthBound
 from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.local.gmax import achievable_goodput, gmax_select
-from scheduler.paper_metrics.jitserve import on_time_tokens, token_goodput
+from scheduler.alternatives.jitserve.gmax import achievable_goodput, gmax_select
+from scheduler.alternatives.jitserve.metrics import on_time_tokens, token_goodput
 from scheduler.request import Phase
 from scheduler.routing.base import DecodeInstance, PrefillInstance, PrefillQueueMap
 from scheduler.tdg import GainConfig as _G  # TDG, for the comparison with JITServe goodput

@@ -24,9 +24,9 @@ from scheduler import (ConfigError, Estimator, GainConfig, LatencyModel, Phase, 
                        make_local)
 from scheduler.estimator import BatchSample
 from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.paper_metrics import slos_serve as pm
+from scheduler.alternatives.slos_serve import metrics as pm
 from scheduler.routing.base import PrefillInstance, PrefillQueueMap
-from scheduler.slos_serve_model import (Job, Roofline, admit_dp, decode_tokens, feasible_alone, greedy_admit,
+from scheduler.alternatives.slos_serve.model import (Job, Roofline, admit_dp, decode_tokens, feasible_alone, greedy_admit,
                                         samples_from_batches)
 
 FIG3 = LatencyModel(a_p=0.0, b_p=0.0, c_p=1 / 6, a_d=0.0, b_d=1 / 6, t_c=0.0)

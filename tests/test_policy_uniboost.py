@@ -19,9 +19,9 @@ import pytest
 
 from scheduler import ConfigError, Estimator, LatencyModel, Request, local_names, make_local
 from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.paper_metrics.uniboost import p99_ttlt, ttlt, ttlt_stats
+from scheduler.alternatives.uniboost.metrics import p99_ttlt, ttlt, ttlt_stats
 from scheduler.request import Phase
-from scheduler.uniboost_bins import (LN5, LN_99_95, TailGamma, boost, empirical_quantile, next_threshold,
+from scheduler.alternatives.uniboost.bins import (LN5, LN_99_95, TailGamma, boost, empirical_quantile, next_threshold,
                                      percentile, quantize, revision_bound)
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=1e-2)

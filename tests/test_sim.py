@@ -257,7 +257,7 @@ def test_policies_hear_of_every_finished_request_once(deployment, monkeypatch):
     """on_request_finished reaches the prefilling instance's policy and the router,
     once per request, at its last token's time (policies that learn lengths need it)."""
     from scheduler.local.slide_batching import SlideBatching
-    from scheduler.routing.round_robin import RoundRobin
+    from scheduler.baselines.round_robin import RoundRobin
     seen_local, seen_global = [], []
     monkeypatch.setattr(SlideBatching, "on_request_finished",
                         lambda self, r, now: seen_local.append((r.id, now, r.num_emitted)), raising=False)

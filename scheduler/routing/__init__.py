@@ -1,5 +1,7 @@
-"""Global (service-level) routing policies: GoRouting and its baselines.
-Importing this package registers all of them by name."""
+"""Global (service-level) routing: GoRouting (Algorithm 2), the interface every
+router implements and the PrefillQueueMap estimates. The baselines are in
+:mod:`scheduler.baselines`, other papers' routers in :mod:`scheduler.alternatives`.
+Importing this package registers GoRouting by name."""
 
 import importlib
 import pkgutil

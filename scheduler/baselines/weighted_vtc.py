@@ -35,7 +35,7 @@ from __future__ import annotations
 from .. import validate
 from ..registry import register_local
 from ..request import ConfigError
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local

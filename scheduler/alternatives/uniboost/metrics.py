@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..request import Request
-from ..tdg import class_groups
-from ..uniboost_bins import empirical_quantile
+from ...request import Request
+from ...tdg import class_groups
+from .bins import empirical_quantile
 
 
 def ttlt(req: Request) -> float | None:

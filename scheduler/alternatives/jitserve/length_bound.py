@@ -56,7 +56,7 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 
-from . import validate
+from ... import validate
 
 
 class LengthBound:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, Sequence
 
-from .. import validate
-from ..request import ConfigError, Request
+from ... import validate
+from ...request import ConfigError, Request
 
 MODES = ("line", "window")
 

@@ -91,9 +91,9 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from . import validate
-from .cost import StepCosts
-from .request import ConfigError
+from ... import validate
+from ...cost import StepCosts
+from ...request import ConfigError
 
 _BIG = 1 << 40  # "unbounded" batch size when no line limits it
 

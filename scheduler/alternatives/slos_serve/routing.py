@@ -9,7 +9,7 @@ somewhere as best effort (§4.2: "deciding whether to decline the request or
 offload it to lower-tier resources"; here it is never dropped).
 
 The admission check is the same DP as the local policy's
-(:func:`scheduler.slos_serve_model.admit_dp` with one candidate), run on what
+(:func:`scheduler.alternatives.slos_serve.model.admit_dp` with one candidate), run on what
 the global scheduler knows of the replica (:class:`PrefillInstance`): the
 requests this router admitted there whose prefill has not finished (forced,
 with their work as recorded at dispatch), the replica's decoding requests
@@ -43,12 +43,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import validate
-from ..registry import register_global
-from ..slos_serve_model import (FIT_SPAN, Job, MeanOutputLen, Roofline, admit_dp, check_policy_params,
+from ... import validate
+from ...registry import register_global
+from .model import (FIT_SPAN, Job, MeanOutputLen, Roofline, admit_dp, check_policy_params,
                                 default_fit_max_time, line_deadline)
-from .base import COLOCATED, DISAGGREGATED, GlobalPolicy
-from .estimates import evaluate, queued_work, resolve_eta
+from ...routing.base import COLOCATED, DISAGGREGATED, GlobalPolicy
+from ...routing.estimates import evaluate, queued_work, resolve_eta
 
 BACKUPS = ("first", "min_load")
 

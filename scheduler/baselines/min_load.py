@@ -10,8 +10,8 @@ the load estimate. Ties go to the lowest instance id.
 from __future__ import annotations
 
 from ..registry import register_global
-from .base import DISAGGREGATED, GlobalPolicy
-from .estimates import evaluate, resolve_eta
+from ..routing.base import DISAGGREGATED, GlobalPolicy
+from ..routing.estimates import evaluate, resolve_eta
 
 
 @register_global

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from ..request import Request
-from ..tdg import class_groups, run_duration
+from ...request import Request
+from ...tdg import class_groups, run_duration
 
 
 def on_time_tokens(r: Request) -> int:

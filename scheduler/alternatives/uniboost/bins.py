@@ -3,7 +3,7 @@ Prediction: Tail-Aware Scheduling for LLM Inference", Algorithm 1
 and §3.2-3.4): the γ-boost curve, MemGuard's geometric bins and the bound on
 priority revisions they give, the paper's empirical percentile, and the
 adaptive-γ tail estimator (γ-Ada). The policy that uses them is
-:mod:`scheduler.local.uniboost`; they live outside ``scheduler/local/`` because
+:mod:`scheduler.alternatives.uniboost.local`; they live outside ``scheduler/local/`` because
 every module there is registered as a policy.
 
 Choices where the paper contradicts itself (each is stated again where it is
@@ -34,7 +34,7 @@ import math
 from collections import deque
 from typing import Iterable, Sequence
 
-from . import validate
+from ... import validate
 
 #: Eq. 9: -(ln F̄(t99) - ln F̄(t95)) = ln(0.05/0.01)
 LN5 = math.log(5.0)

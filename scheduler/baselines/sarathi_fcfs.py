@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .. import validate
 from ..registry import register_local
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local

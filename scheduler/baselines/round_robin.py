@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..registry import register_global
-from .base import DISAGGREGATED, GlobalPolicy
+from ..routing.base import DISAGGREGATED, GlobalPolicy
 
 
 @register_global

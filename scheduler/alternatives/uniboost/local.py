@@ -36,13 +36,13 @@ MemGuard (§3.3), quantised priorities plus minimum-run hysteresis:
 γ-Ada (§3.4): γ is re-estimated from the P95-P99 band of recent end-to-end
 latencies (TTLT) of requests this policy served, fed through
 ``on_request_finished`` (simulator and engine), see
-:class:`scheduler.uniboost_bins.TailGamma`.
+:class:`scheduler.alternatives.uniboost.bins.TailGamma`.
 
 Where the paper is inconsistent or silent, and what this module does:
 
 * **Bin rounding**: Algorithm 1's floor, not Eq. 8's ceiling (floor matches the
   paper's "at most 6 for 10k tokens" example and Lemma A.1's ``b_γ(a/2)``;
-  details in :mod:`scheduler.uniboost_bins`).
+  details in :mod:`scheduler.alternatives.uniboost.bins`).
 * **γ estimator constant**: Eq. 9's ``ln 5 / (t99 - t95)``, not line 17's
   ``ln(99/95)/Δ`` (39× smaller; it uses CDF instead of survival values). Eq. 9
   recovers an exponential tail's rate exactly. ``tail_constant="alg1"`` gives
@@ -127,11 +127,11 @@ from __future__ import annotations
 import math
 from operator import itemgetter
 
-from .. import validate
-from ..registry import register_local
-from ..request import Request
-from ..uniboost_bins import TailGamma, boost, next_threshold, quantize
-from .base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ... import validate
+from ...registry import register_local
+from ...request import Request
+from .bins import TailGamma, boost, next_threshold, quantize
+from ...local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 A_REFS = ("arrival", "phase_entry")
 _first = itemgetter(0)
