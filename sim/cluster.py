@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from scheduler import validate
 from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
 from scheduler.host import LocalHost, RouterHost
 from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, blocks_for
@@ -71,19 +72,15 @@ class SimConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.deployment not in DEPLOYMENTS:
-            raise ConfigError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got {self.deployment!r}")
+        W = "simulator"
+        validate.one_of(W, "deployment", self.deployment, DEPLOYMENTS)
         for k in ("instances", "prefill_instances", "decode_instances", "max_macro_steps"):
-            if int(getattr(self, k)) < 1:
-                raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)!r}")
-        if self.noise_cv < 0:
-            raise ConfigError(f"noise_cv must be >= 0, got {self.noise_cv!r}")
-        if self.kv_bandwidth <= 0:
-            raise ConfigError(f"kv_bandwidth must be > 0, got {self.kv_bandwidth!r}")
+            validate.integer(W, k, getattr(self, k))
+        validate.non_negative(W, "noise_cv", self.noise_cv)
+        validate.positive(W, "kv_bandwidth", self.kv_bandwidth)
         for k in ("num_kv_blocks", "block_size", "kv_bytes_per_token"):
-            v = getattr(self, k)
-            if v is not None and v < 1:
-                raise ConfigError(f"{k} must be >= 1, got {v!r}")
+            if getattr(self, k) is not None:
+                validate.integer(W, k, getattr(self, k))
 
 
 @dataclass

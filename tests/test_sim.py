@@ -176,8 +176,12 @@ def test_beta_tracks_a_slower_true_model():
     (dict(global_policy="nope"), "unknown global policy 'nope'"),
     (dict(local_params={"gamma": 0}), "gamma must be a number > 0"),
     (dict(local_params={"gamma": -1}), "gamma"),
-    (dict(deployment="mesh"), "deployment"),
-    (dict(instances=0), "instances must be >= 1"),
+    (dict(deployment="mesh"), "simulator: deployment must be one of colocated, disaggregated, got 'mesh'"),
+    (dict(instances=0), "simulator: instances must be an integer >= 1, got 0"),
+    (dict(instances=2.5), "simulator: instances must be an integer >= 1, got 2.5"),
+    (dict(noise_cv=-0.1), "simulator: noise_cv must be a number >= 0"),
+    (dict(kv_bandwidth=0), "simulator: kv_bandwidth must be a number > 0"),
+    (dict(num_kv_blocks=0), "simulator: num_kv_blocks must be an integer >= 1"),
 ])
 def test_invalid_config_fails_at_start(kw, match):
     cfg = SimConfig(global_policy=kw.pop("global_policy", "round_robin"), **kw)
