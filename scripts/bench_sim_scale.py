@@ -86,8 +86,9 @@ def _run(deployment: str, n: int, p: int, d: int, rate: float, hours: float, loc
         if now - last[0] >= progress_s:
             last[0] = now
             t = r.token_times[-1] if r.token_times else r.arrival
-            print(f"  [{deployment}] {t / 3600:6.2f} h simulated, {now - t0:7.0f} s wall", file=sys.stderr,
-                  flush=True)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"  [{deployment}] {t / 3600:6.2f} h simulated, {now - t0:7.0f} s wall, peak RSS {rss:.0f} MB",
+                  file=sys.stderr, flush=True)
 
     reqs = iter_tagged(repeat_arrivals(recs, hours * 3600.0), seed=0)
     res = simulate_stream(reqs, model, cfg, gain, on_end=tick if progress_s > 0 else None)

@@ -33,6 +33,10 @@ def metrics_dict(reqs: Sequence[Request], gain: GainConfig, duration: float | No
     return {k: v.as_dict() for k, v in summarize(reqs, gain, duration).items()}
 
 
+def _pct_array(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) if len(a) else float("nan")
+
+
 class _Sums:
     __slots__ = ("finished", "first_got", "first_ideal", "ideal", "requests", "slo_met", "tdg", "tokens",
                  "tpots", "ttfts")
@@ -51,7 +55,9 @@ class MetricsAccumulator:
 
     Per request it calls the same functions as ``summarize`` (``GainConfig.tdg``,
     ``ideal_gain``, ``token_deadline``, ``slo_attained``, ``Request.ttft/tpot``)
-    and keeps sums and the TTFT/TPOT values (8 bytes each) per class; :meth:`result`
+    and keeps sums per class and overall, and the request's TTFT and TPOT (8 bytes
+    each, for the percentiles) in its class only: memory grows by about 16 bytes
+    per request, whatever its number of tokens. :meth:`result`
     gives the ``ClassMetrics`` that ``summarize`` would give for the same requests
     (equal up to float summation order; tests/test_sim_stream.py).
     """
@@ -80,10 +86,10 @@ class MetricsAccumulator:
             s.first_got += got
             s.slo_met += met
             s.tokens += r.num_emitted
-            if ttft is not None:
-                s.ttfts.append(ttft)
-            if tpot is not None:
-                s.tpots.append(tpot)
+        if ttft is not None:
+            cls.ttfts.append(ttft)      # "all" takes the union of the classes' values in result()
+        if tpot is not None:
+            cls.tpots.append(tpot)
 
     @property
     def count(self) -> int:
@@ -92,20 +98,24 @@ class MetricsAccumulator:
     def result(self, duration: float) -> dict[str, ClassMetrics]:
         """``"all"`` then each class by name, as :func:`summarize` orders them."""
         out = {}
-        for name in ["all"] + sorted(k for k in self.sums if k != "all"):
+        classes = sorted(k for k in self.sums if k != "all")
+        for name in ["all"] + classes:
             s = self.sums[name]
             if name != "all" and not s.requests:
                 continue
+            if name == "all":
+                ttfts = np.concatenate([np.frombuffer(self.sums[c].ttfts) for c in classes] or [np.empty(0)])
+                tpots = np.concatenate([np.frombuffer(self.sums[c].tpots) for c in classes] or [np.empty(0)])
+            else:
+                ttfts, tpots = np.frombuffer(s.ttfts), np.frombuffer(s.tpots)
             ratio = s.tdg / s.ideal if s.ideal > 0 else float("nan")
-            pct = (lambda a, q: float(np.percentile(np.frombuffer(a, dtype=np.float64), q)) if len(a)
-                   else float("nan"))
             out[name] = ClassMetrics(
                 name=name, requests=s.requests, finished=s.finished, tdg=s.tdg, ideal_gain=s.ideal,
                 tdg_ratio=ratio, miss_tdg_ratio=1.0 - ratio if s.ideal > 0 else float("nan"),
                 first_token_tdg_ratio=s.first_got / s.first_ideal if s.first_ideal > 0 else float("nan"),
                 slo_attainment=s.slo_met / s.requests if s.requests else float("nan"),
-                ttft_p50=pct(s.ttfts, 50), ttft_p90=pct(s.ttfts, 90), ttft_p99=pct(s.ttfts, 99),
-                tpot_p50=pct(s.tpots, 50), tpot_p90=pct(s.tpots, 90), tpot_p99=pct(s.tpots, 99),
+                ttft_p50=_pct_array(ttfts, 50), ttft_p90=_pct_array(ttfts, 90), ttft_p99=_pct_array(ttfts, 99),
+                tpot_p50=_pct_array(tpots, 50), tpot_p90=_pct_array(tpots, 90), tpot_p99=_pct_array(tpots, 99),
                 throughput_tokens_s=s.tokens / duration if duration > 0 else float("nan"),
                 throughput_req_s=s.finished / duration if duration > 0 else float("nan"))
         return out
