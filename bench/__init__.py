@@ -1,8 +1,8 @@
 """Workloads for the simulator and the load generator.
 
-* :mod:`bench.traces`    — trace loaders (Azure, BurstGPT, Mooncake, ShareGPT)
+* :mod:`proserve.bench.traces`    — trace loaders (Azure, BurstGPT, Mooncake, ShareGPT)
   returning :class:`TraceRecord` lists
-* :mod:`bench.workloads` — synthetic workloads, arrival scaling (§5.1),
+* :mod:`proserve.bench.workloads` — synthetic workloads, arrival scaling (§5.1),
   priority tagging and :func:`build_workload`, which the simulator CLI calls
 """
 

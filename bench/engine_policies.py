@@ -1,15 +1,15 @@
 """Local batch policies on one real vLLM CPU engine: SlideBatching (the ProServe
 scheduler plugin) against vLLM's own FCFS and priority scheduling, at three
-load levels, measured over HTTP with :mod:`bench.loadgen`.
+load levels, measured over HTTP with :mod:`proserve.bench.loadgen`.
 
 Run it under the shared engine lock (it starts one engine at a time)::
 
-    flock /tmp/proserve-engine.lock python -m bench.engine_policies
+    flock /tmp/proserve-engine.lock python -m proserve.bench.engine_policies
 
 What it does, per policy (one fresh engine each; the rates reuse it, in
 increasing order, with a drain wait between them):
 
-* ``slide_batching``  ``python -m prefill --colocated --local-policy slide_batching``
+* ``slide_batching``  ``python -m proserve.prefill --colocated --local-policy slide_batching``
 * ``stock_fcfs``      ``--local-policy stock`` (vLLM's own decisions, FCFS queue)
 * ``stock_priority``  ``--local-policy stock -- --scheduling-policy priority``;
                       requests carry vLLM's ``"priority"``: high → 0, low → 1
@@ -96,7 +96,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.request import ConfigError
+from proserve.scheduler.request import ConfigError
 
 from . import loadgen as lg
 
@@ -161,7 +161,7 @@ def overhead(before: dict, after: dict) -> dict:
 # --- the engine ------------------------------------------------------------------------
 
 class Engine:
-    """One ``python -m prefill --colocated`` worker for one policy."""
+    """One ``python -m proserve.prefill --colocated`` worker for one policy."""
 
     def __init__(self, spec: PolicySpec, port: int, out: Path, args, classes_file: Path, w_p: float):
         self.url = f"http://127.0.0.1:{port}"
@@ -169,7 +169,7 @@ class Engine:
         self.steps_path = out / "steps.jsonl"
         if self.steps_path.exists():
             self.steps_path.unlink()
-        cmd = [sys.executable, "-m", "prefill", "--colocated", "--port", str(port), "--block-size", "32",
+        cmd = [sys.executable, "-m", "proserve.prefill", "--colocated", "--port", str(port), "--block-size", "32",
                "--max-model-len", str(args.max_model_len), "--cpu-bind", args.engine_cpu,
                "--local-policy", spec.local_policy, "--classes", str(classes_file), "--w-p", repr(w_p),
                "--record-steps", str(self.steps_path)]
@@ -409,7 +409,7 @@ def format_table(rows: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.engine_policies",
+        prog="python -m proserve.bench.engine_policies",
         description="SlideBatching (ProServe vLLM plugin) vs vLLM stock FCFS and stock priority scheduling on "
                     "one real vLLM CPU engine, at three load levels: TDG_Ratio and SLO attainment per class, and "
                     "per-step scheduling overhead. Run under `flock /tmp/proserve-engine.lock`. See the module "
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_policy(POLICIES[name], rates, args, classes, classes_file, gain, port)
     wall = time.monotonic() - t_all
     table = format_table(rows)
-    header = (f"# python -m bench.engine_policies {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+    header = (f"# python -m proserve.bench.engine_policies {' '.join(sys.argv[1:] if argv is None else argv)}\n"
               f"# rates {', '.join(f'{r:g}' for r in rates)} req/s; {args.duration:g} s of the Azure conv trace "
               f"per rate, prompt/{args.prompt_div:g}, output/{args.output_div:g}; SLO TTFT {args.ttft_slo:g} s, "
               f"TPOT {args.tpot_slo:g} s; w_p {gain.w_p:.3f}, w_d {gain.w_d:g}; wall {wall / 60:.1f} min\n")

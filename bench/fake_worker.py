@@ -28,7 +28,7 @@ More knobs for the dispatcher's failure handling:
 * ``cancelled`` counts generate calls whose client closed the connection before
   the answer was complete (the handler is cancelled, as vLLM aborts them).
 
-    python -m bench.fake_worker --port 9100 --decode-s 0.001     # one fake worker
+    python -m proserve.bench.fake_worker --port 9100 --decode-s 0.001     # one fake worker
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class FakeWorker:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m proserve.bench.fake_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9100, help="port of the first fake worker")
     ap.add_argument("--count", type=int, default=1, help="fake workers on consecutive ports (default 1)")

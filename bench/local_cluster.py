@@ -297,7 +297,7 @@ class Cluster:
 
 
 class Dispatcher:
-    """A second `python -m dispatcher` in front of (some of) the cluster's workers, with its
+    """A second `python -m proserve.dispatcher` in front of (some of) the cluster's workers, with its
     own flags; stopped on exit."""
 
     def __init__(self, c: Cluster, *flags: str, prefill: list[str] | None = None,
@@ -309,7 +309,7 @@ class Dispatcher:
                        for url in [f"http://127.0.0.1:{port}"]]
         if decode is None:
             decode = [f"http://127.0.0.1:{port}={c.kv_addr(int(i))}" for pid, r, i, port in c.pids if r == "decode"]
-        cmd = [sys.executable, "-m", "dispatcher", "--port", str(self.port), "--keys", str(c.keys),
+        cmd = [sys.executable, "-m", "proserve.dispatcher", "--port", str(self.port), "--keys", str(c.keys),
                "--worker-key-file", str(c.secrets / "worker.key"), "--wait-ready", "30",
                "--health-interval", "0.5"]
         for u in prefill:

@@ -27,7 +27,7 @@ the data are plausible and strict where the row is broken):
 * ShareGPT JSON: one record per conversation, from its first human turn that is
   directly followed by a gpt turn; conversations without such a pair are
   skipped. No timestamps: every arrival is 0 (callers assign arrivals, see
-  :func:`bench.workloads.scale_to_rate`). Lengths come from ``tokenizer`` if
+  :func:`proserve.bench.workloads.scale_to_rate`). Lengths come from ``tokenizer`` if
   given, else ``ceil(len(text) / 4)``; both are clamped to at least 1.
 """
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, Iterator, Sequence
 
-from scheduler.request import ConfigError
+from proserve.scheduler.request import ConfigError
 
 FORMATS = ("azure", "burstgpt", "mooncake", "sharegpt")
 

@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from scheduler.config import default_classes
-from scheduler.request import ConfigError, PriorityClass, Request
+from proserve.scheduler.config import default_classes
+from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
 from .traces import TraceRecord, load_trace
 
@@ -257,7 +257,7 @@ def repeat_arrivals(records: Sequence[TraceRecord], duration: float) -> Iterator
     its mean gap, so the seam between copies looks like an ordinary gap and the
     mean rate stays ``(n - 1) / span``. Records arriving at or after
     ``duration`` are not yielded. A generator, so a day of arrivals need not be in
-    memory (:func:`iter_tagged`, ``sim.stream``). Scale first
+    memory (:func:`iter_tagged`, ``proserve.sim.stream``). Scale first
     (:func:`scale_to_rate`) to set the rate, then repeat.
     """
     duration = _positive("repeat_arrivals", "duration", duration)
@@ -336,7 +336,7 @@ def tag_priorities(records: Sequence[TraceRecord], classes: Mapping[str, Priorit
 
     Each request gets a class drawn independently with probabilities
     ``shares`` (normalised; classes not named get 0; default: equal shares, i.e.
-    the paper's 50/50 high/low with :func:`scheduler.config.default_classes`),
+    the paper's 50/50 high/low with :func:`proserve.scheduler.config.default_classes`),
     and that class's weight and SLOs. ``max_model_len`` applies
     :func:`fit_to_context` (the number changed is logged). ``start`` is added
     to every arrival.

@@ -1,6 +1,6 @@
-"""``python -m decode``: start a decode worker (see ``prefill.worker``)."""
+"""``python -m proserve.decode``: start a decode worker (see ``proserve.prefill.worker``)."""
 
-from prefill.worker import main
+from proserve.prefill.worker import main
 
 if __name__ == "__main__":
     main("decode")

@@ -6,7 +6,7 @@ size; "gpu" is vLLM's name for the accelerator pool, the CPU backend included)
 and ``vllm:kv_cache_usage_perc`` (the used fraction). Free blocks =
 round((1 - usage) · N).
 
-    python -m decode.status http://127.0.0.1:8200      # prints the free block count
+    python -m proserve.decode.status http://127.0.0.1:8200      # prints the free block count
 """
 
 from __future__ import annotations

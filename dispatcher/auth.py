@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from scheduler.request import PriorityClass
+from proserve.scheduler.request import PriorityClass
 
 from .config import MAX_SLO_MS, KeyEntry
 from .errors import ApiError

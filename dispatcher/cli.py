@@ -1,4 +1,4 @@
-"""``python -m dispatcher``: start the ProServe dispatcher."""
+"""``python -m proserve.dispatcher``: start the ProServe dispatcher."""
 
 from __future__ import annotations
 
@@ -6,23 +6,23 @@ import argparse
 import logging
 import sys
 
-from scheduler.config import classes_from_dicts, parse_key_values
-from scheduler.registry import global_names
-from scheduler.request import ConfigError
-from scheduler.tdg import GainConfig
+from proserve.scheduler.config import classes_from_dicts, parse_key_values
+from proserve.scheduler.registry import global_names
+from proserve.scheduler.request import ConfigError
+from proserve.scheduler.tdg import GainConfig
 
 from .config import DecodeSpec, DispatcherConfig, PrefillSpec, load_config, load_keys, read_file
 
 EPILOG = """\
 examples:
   # 1 prefill + 1 decode worker on this host (scripts/launch_cluster.sh starts all three)
-  python -m dispatcher --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200=tcp://127.0.0.1:15600
+  python -m proserve.dispatcher --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200=tcp://127.0.0.1:15600
   # everything from a file (TOML or JSON; see dispatcher/config.py), API keys from another
-  python -m dispatcher --config cluster.toml --keys keys.toml
+  python -m proserve.dispatcher --config cluster.toml --keys keys.toml
   # co-located instances (whole requests on one engine), Min-Load routing
-  python -m dispatcher --deployment colocated --prefill http://127.0.0.1:8100 --global-policy min_load
+  python -m proserve.dispatcher --deployment colocated --prefill http://127.0.0.1:8100 --global-policy min_load
   # workers started with an API key (their --api-key-file): the dispatcher sends it on every call
-  python -m dispatcher --config cluster.toml --keys keys.toml --worker-key-file secrets/worker.key
+  python -m proserve.dispatcher --config cluster.toml --keys keys.toml --worker-key-file secrets/worker.key
 
 requests: POST /v1/completions or /v1/chat/completions with 'Authorization: Bearer <key>'; optional
 fields "priority": "<class>" and "slo": {"ttft_ms": 500, "tpot_ms": 50} within what the key allows.
@@ -36,7 +36,7 @@ for one client) get 429 with Retry-After. Every error is an OpenAI-style JSON ob
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m dispatcher", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog="python -m proserve.dispatcher", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="ProServe global dispatcher: an OpenAI-compatible HTTP API that routes each "
                     "priority-tagged request to a prefill/decode pair (GoRouting by default), drives the "
                     "KV hand-off, streams tokens back and reports TDG and SLO metrics on /metrics.")

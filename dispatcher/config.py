@@ -67,11 +67,11 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from scheduler import validate
-from scheduler.config import classes_from_dicts, default_classes
-from scheduler.request import ConfigError, PriorityClass
-from scheduler.routing.base import COLOCATED, DEPLOYMENTS, DISAGGREGATED
-from scheduler.tdg import GainConfig
+from proserve.scheduler import validate
+from proserve.scheduler.config import classes_from_dicts, default_classes
+from proserve.scheduler.request import ConfigError, PriorityClass
+from proserve.scheduler.routing.base import COLOCATED, DEPLOYMENTS, DISAGGREGATED
+from proserve.scheduler.tdg import GainConfig
 
 #: SLOs above this are absurd for an interactive service and rejected as input errors
 MAX_SLO_MS = 3_600_000.0

@@ -13,7 +13,7 @@ They also answer uvicorn's own "Invalid HTTP request" 400 in the OpenAI error
 format instead of plain text.
 
 Use :func:`http_protocol` as ``uvicorn.Config(..., http=http_protocol(...))``;
-``dispatcher.server.uvicorn_config`` does.
+``proserve.dispatcher.server.uvicorn_config`` does.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ worker's:
   β·T_pd + δ; :func:`correction_of`) correct the dispatcher's copy of its
   latency model, so GoRouting's estimates (Alg. 2) follow the engine's
   measured speed; a
-  decode worker's free KV blocks (``decode.status``) feed the decode pick
+  decode worker's free KV blocks (``proserve.decode.status``) feed the decode pick
   (Alg. 2 line 20; between scrapes the dispatcher subtracts the blocks of each
   request it sends there, so a burst does not all land on one worker). A slow
   or failed scrape keeps the previous stats; it is counted
@@ -46,10 +46,10 @@ from pathlib import Path
 
 import aiohttp
 
-from decode.status import StatusError, free_kv_blocks
-from profiler import modelfile
-from scheduler.estimator import Estimator, OnlineCorrector
-from scheduler.routing.base import DecodeInstance, PrefillInstance
+from proserve.decode.status import StatusError, free_kv_blocks
+from proserve.profiler import modelfile
+from proserve.scheduler.estimator import Estimator, OnlineCorrector
+from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance
 
 from .config import WORKER_KEY_ENV, DispatcherConfig, PrefillSpec
 

@@ -6,7 +6,7 @@ servers), so every sampling parameter vLLM knows keeps working; it only
 * checks what it must read itself (``prompt``/``messages``, ``max_tokens``,
   ``stream``, ``n``, ``model``) and answers 400 naming the field;
 * removes what only it may set: ``priority`` and ``slo`` (resolved by
-  :mod:`dispatcher.auth`), ``kv_transfer_params``, and the scheduling keys of
+  :mod:`proserve.dispatcher.auth`), ``kv_transfer_params``, and the scheduling keys of
   ``vllm_xargs`` (a client must not raise its own priority by writing them);
 * adds the scheduling parameters (``vllm_xargs``: class, weight, SLOs, arrival)
   and, per leg, the KV transfer parameters.
@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.request import Request
+from proserve.scheduler.request import Request
 
 from .auth import Grant
 from .errors import ApiError

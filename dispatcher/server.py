@@ -40,14 +40,14 @@ one was at fault. A client that goes away cancels its request upstream. Every
 request that enters ends with a response or an error, and every error is an
 OpenAI-style JSON object.
 
-Limits on clients (all in :class:`~dispatcher.config.DispatcherConfig`): the
+Limits on clients (all in :class:`~proserve.dispatcher.config.DispatcherConfig`): the
 API key is checked from the headers before the body is read; the body is read
 up to ``max_body_mb`` (413 at once when Content-Length says more, or as soon as
 a chunked body passes it) within ``body_timeout_s`` (408); the request headers
 must arrive within ``header_timeout_s`` (else the connection is closed:
-:mod:`dispatcher.http_protocol`); at most ``max_concurrent`` requests overall and
+:mod:`proserve.dispatcher.http_protocol`); at most ``max_concurrent`` requests overall and
 ``max_concurrent_per_key`` per client are admitted at once (429 with
-``Retry-After``: :mod:`dispatcher.limits`). Each stream buffers at most
+``Retry-After``: :mod:`proserve.dispatcher.limits`). Each stream buffers at most
 ``stream_queue_events`` events: a slow client slows the read from the worker
 (TCP back-pressure) instead of growing the dispatcher's memory.
 """
@@ -69,10 +69,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from scheduler.host import RouterHost
-from scheduler.registry import make_global
-from scheduler.routing.base import COLOCATED
-from scheduler.tdg import slo_attained
+from proserve.scheduler.host import RouterHost
+from proserve.scheduler.registry import make_global
+from proserve.scheduler.routing.base import COLOCATED
+from proserve.scheduler.tdg import slo_attained
 
 from .auth import Authorizer
 from .config import DispatcherConfig, KeyEntry
@@ -174,7 +174,7 @@ class Dispatcher:
         # aiohttp rather than httpx upstream: measured 2-3x less CPU per proxied stream here
         # the worker key goes with every upstream call (legs, /tokenize, /health, /metrics, /v1/models)
         self.http = aiohttp.ClientSession(
-            # idle connections are dropped before the workers drop them (python -m prefill|decode
+            # idle connections are dropped before the workers drop them (python -m proserve.prefill|decode
             # keep them WORKER_KEEP_ALIVE_S), or a request sent on one as it closes is reset
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s),
@@ -654,7 +654,7 @@ def _http_error(w: Worker, status: int, content: bytes) -> Exception:
 def uvicorn_config(dispatcher: Dispatcher, app, http_impl: str = "auto", **kw) -> uvicorn.Config:
     """uvicorn's config for ``app`` (from :func:`create_app`): the dispatcher's host and port
     and the HTTP protocol with its header timeout (``http_impl``: auto, httptools or h11);
-    ``kw`` adds to or overrides uvicorn's options (``python -m dispatcher`` and the tests
+    ``kw`` adds to or overrides uvicorn's options (``python -m proserve.dispatcher`` and the tests
     both start the server through this)."""
     d = dispatcher
     opts = dict(host=d.cfg.host, port=d.cfg.port, access_log=False, lifespan="on",

@@ -1,15 +1,15 @@
 """CURVE keys for the KV transport (ZeroMQ CURVE encryption + authentication).
 
-A :class:`~kvtransfer.receiver.KVReceiver` given :class:`ServerKeys` is a CURVE
+A :class:`~proserve.kvtransfer.receiver.KVReceiver` given :class:`ServerKeys` is a CURVE
 server: every connection is encrypted, and a ZAP authenticator admits only the
 client public keys found in ``DIR/clients/``. A
-:class:`~kvtransfer.sender.KVSender` given :class:`ClientKeys` is a CURVE
+:class:`~proserve.kvtransfer.sender.KVSender` given :class:`ClientKeys` is a CURVE
 client with its own key pair, and checks the receiver's identity against the
 server public key. Without keys the transport only talks over loopback
 (:func:`is_loopback`), unless explicitly allowed.
 
 Key directory layout (created by :func:`generate_keys`, or
-``python -m kvtransfer.keys DIR``; files 0600, directories 0700)::
+``python -m proserve.kvtransfer.keys DIR``; files 0600, directories 0700)::
 
     DIR/server.key          server public certificate (zmq.auth format)
     DIR/server.key_secret   server secret certificate   -> decode hosts
@@ -39,7 +39,7 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
-log = logging.getLogger("kvtransfer.auth")
+log = logging.getLogger("proserve.kvtransfer.auth")
 
 SERVER_PUBLIC = "server.key"
 SERVER_SECRET = "server.key_secret"

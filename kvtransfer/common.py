@@ -13,7 +13,7 @@ import numpy as np
 
 from .wire import DTYPES, WireError
 
-log = logging.getLogger("kvtransfer.transport")
+log = logging.getLogger("proserve.kvtransfer.transport")
 
 DEFAULT_CHUNK_BYTES = 4 << 20          # payload bytes per kv message (a chunk of a large layer)
 DEFAULT_PACK_BYTES = 1 << 20           # payload bytes of a pack (small layers sent as one kv message)

@@ -1,11 +1,11 @@
 """ProServe's vLLM KV connector: push KV blocks from a prefill engine to a decode
-engine over the ZeroMQ transport (:mod:`kvtransfer.transport`).
+engine over the ZeroMQ transport (:mod:`proserve.kvtransfer.transport`).
 
 Loaded without patching vLLM::
 
     kv_transfer_config = {
         "kv_connector": "ProServeConnector",
-        "kv_connector_module_path": "kvtransfer.connector",
+        "kv_connector_module_path": "proserve.kvtransfer.connector",
         "kv_role": "kv_producer" | "kv_consumer",
         "kv_load_failure_policy": "recompute",       # decode falls back to recomputing
         "kv_connector_extra_config": {
@@ -33,7 +33,7 @@ attempt: an id already in use on this engine is refused):
    ``get_finished`` report the request so vLLM frees the blocks. A transfer
    may spend ``timeout_s`` waiting on its receiver, all its layers and the
    ack together (not per layer); a destination that
-   does not answer opens a circuit breaker (:class:`kvtransfer.sender.KVSender`)
+   does not answer opens a circuit breaker (:class:`proserve.kvtransfer.sender.KVSender`)
    and later transfers to it fail at once instead of stalling the forward
    pass. The prefill response's ``kv_transfer_params`` then carries
    ``error`` (and ``kv_failed_dest`` when the destination is at fault) so
@@ -46,7 +46,7 @@ attempt: an id already in use on this engine is refused):
    the prompt's token ids, the layer count, dtype, block shape and block
    coverage -- and only then writes it into the blocks vLLM allocated,
    straight from the received frames into views of the cache
-   (:mod:`kvtransfer.kvcache`; a CUDA cache through one pinned buffer per
+   (:mod:`proserve.kvtransfer.kvcache`; a CUDA cache through one pinned buffer per
    transfer, untested on a GPU). A
    transfer that fails any check, fails on the wire or never arrives within
    ``timeout_s`` is a load failure (``failed_recving``): with
@@ -652,7 +652,7 @@ class ProServeConnector(KVConnectorBase_V1):
         checked first (it belongs to this request, fits this engine's cache and
         covers the request's blocks; :class:`LoadRejected` otherwise, with nothing
         written), then each received chunk is copied once, from the received
-        frame into views of the cache (:mod:`kvtransfer.kvcache`)."""
+        frame into views of the cache (:mod:`proserve.kvtransfer.kvcache`)."""
         if not result.digest or result.digest != ld.digest:
             raise LoadRejected(f"transfer {ld.xfer!r} was made for another prompt (digest "
                                f"{result.digest[:12] or 'missing'} != {ld.digest[:12]})")

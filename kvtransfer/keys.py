@@ -1,10 +1,10 @@
 """Generate CURVE keys for the KV transport::
 
-    python -m kvtransfer.keys DIR [--overwrite]
+    python -m proserve.kvtransfer.keys DIR [--overwrite]
 
 creates ``DIR/server.key``, ``DIR/server.key_secret``, ``DIR/client.key``,
 ``DIR/client.key_secret`` and ``DIR/clients/client.key`` (see
-:mod:`kvtransfer.auth` for the layout) and prints which files go to which
+:mod:`proserve.kvtransfer.auth` for the layout) and prints which files go to which
 hosts. Existing keys are never overwritten unless ``--overwrite`` is given.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .auth import CLIENT_PUBLIC, CLIENT_SECRET, CLIENTS_DIR, SERVER_PUBLIC, SERV
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtransfer.keys", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m proserve.kvtransfer.keys", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("directory", help="where to create the keys (created 0700 if missing)")
     ap.add_argument("--overwrite", action="store_true", help="replace existing key files")

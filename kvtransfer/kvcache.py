@@ -4,7 +4,7 @@ the vLLM connector), every check done before the first byte is written.
 Layout. Each attention layer's cache is one tensor whose block axis is
 ``block_dim`` (0 on CPU, ``[blocks, ...]``; 1 for CUDA's ``[2, blocks, ...]``);
 its *block shape* is that shape without the block axis. The producer sends,
-per ``(step, layer)`` piece (see :mod:`kvtransfer.wire`), the KV of
+per ``(step, layer)`` piece (see :mod:`proserve.kvtransfer.wire`), the KV of
 consecutive *logical* block positions of the request, block-major: a piece
 has shape ``(n, *block_shape)`` and carries the positions ``first ..
 first+n-1`` as its block ids. The consumer writes position ``p`` into the

@@ -1,5 +1,5 @@
 """Consumer side of the KV transport: :class:`KVReceiver` and the transfer results
-(see ``kvtransfer.transport`` for the socket and flow-control design)."""
+(see ``proserve.kvtransfer.transport`` for the socket and flow-control design)."""
 from __future__ import annotations
 
 import collections
@@ -228,7 +228,7 @@ class KVReceiver:
 
     ``address`` defaults to ``tcp://127.0.0.1:<port>`` (``port=0``: an ephemeral
     port; see :attr:`address` for the bound endpoint); ``ipc://`` paths work too.
-    Binding a non-loopback address (see :func:`kvtransfer.auth.is_loopback`)
+    Binding a non-loopback address (see :func:`proserve.kvtransfer.auth.is_loopback`)
     needs CURVE keys (``curve=ServerKeys.load(dir)``: encrypted, and only the
     allowed client keys can connect), or ``allow_insecure=True``.
 
@@ -245,7 +245,7 @@ class KVReceiver:
     transfer is complete (all chunks received and consumed), from the receiver
     thread.
 
-    Bounds (each a constructor argument; see ``kvtransfer.transport`` for how
+    Bounds (each a constructor argument; see ``proserve.kvtransfer.transport`` for how
     the ZeroMQ options derive from them):
 
     ``max_open_transfers`` (1024)
@@ -298,7 +298,7 @@ class KVReceiver:
         if curve is None and not allow_insecure and not is_loopback(address):
             raise ValueError(f"KVReceiver: refusing to bind {address} without CURVE keys: anyone who can reach "
                              "it could read and inject KV data. Pass curve=ServerKeys.load(dir) (keys from "
-                             "`python -m kvtransfer.keys DIR`), or allow_insecure=True on a trusted network")
+                             "`python -m proserve.kvtransfer.keys DIR`), or allow_insecure=True on a trusted network")
         if curve is not None and ctx is not None:
             raise ValueError("KVReceiver: curve= needs the receiver's own zmq.Context (ZAP authentication is "
                              "per context); do not pass ctx= with it")

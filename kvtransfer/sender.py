@@ -1,4 +1,4 @@
-"""Producer side of the KV transport: :class:`KVSender` (see ``kvtransfer.transport``
+"""Producer side of the KV transport: :class:`KVSender` (see ``proserve.kvtransfer.transport``
 for the socket and flow-control design)."""
 from __future__ import annotations
 
@@ -382,7 +382,7 @@ class KVSender:
     Security: with ``curve=ClientKeys.load(dir)`` every connection is CURVE
     encrypted and authenticated (the receiver must hold the matching server
     key and admit this client key). Without keys a destination that is not on
-    this host (:func:`kvtransfer.auth.is_loopback`) is refused with
+    this host (:func:`proserve.kvtransfer.auth.is_loopback`) is refused with
     :class:`TransferError`, unless ``allow_insecure_remote=True``.
 
     No background thread: the sockets are driven by the calling thread(s) under
@@ -475,7 +475,7 @@ class KVSender:
         ``data``: numpy array, bytes-like (``dtype`` and ``shape`` then required),
         or torch tensor on any device (CPU: zero-copy; others: staged through
         pinned host buffers). ``blocks``: the layer's block ids in the sender's
-        numbering (see :mod:`kvtransfer.wire`). Blocks while out of flow-control
+        numbering (see :mod:`proserve.kvtransfer.wire`). Blocks while out of flow-control
         credit or while the connection is being set up, at most until the
         transfer's wait budget is spent (``timeout`` shortens the wait of this call); then
         raises :class:`TransferTimeout` and the transfer is failed and aborted.

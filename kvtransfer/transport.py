@@ -1,7 +1,7 @@
 """Engine-agnostic ZeroMQ KV-cache transport: :class:`KVSender` and :class:`KVReceiver`.
 
-Wire format: see :mod:`kvtransfer.wire` (version 2: msgpack header + one raw
-payload frame; no pickle anywhere). Keys and addresses: see :mod:`kvtransfer.auth`.
+Wire format: see :mod:`proserve.kvtransfer.wire` (version 2: msgpack header + one raw
+payload frame; no pickle anywhere). Keys and addresses: see :mod:`proserve.kvtransfer.auth`.
 
 Pieces, chunks and packs
 ------------------------
@@ -54,8 +54,8 @@ also checks the receiver's server key. A failed handshake is counted on both
 sides (receiver ``auth_failures`` / ``handshake_failures``; the sender fails the
 transfer at once with a message naming the likely key problem). Without keys
 the receiver refuses to bind, and the sender to send to, anything that is not
-loopback/ipc (:func:`kvtransfer.auth.is_loopback`) unless ``allow_insecure`` /
-``allow_insecure_remote`` is passed. Keys: ``python -m kvtransfer.keys DIR``.
+loopback/ipc (:func:`proserve.kvtransfer.auth.is_loopback`) unless ``allow_insecure`` /
+``allow_insecure_remote`` is passed. Keys: ``python -m proserve.kvtransfer.keys DIR``.
 
 Flow control
 ------------
@@ -186,7 +186,7 @@ it waits, so the methods are thread-safe. CPU payloads are sent zero-copy
 (``copy=False``; ZeroMQ holds a reference until the bytes are written) and
 received zero-copy (the received frames are the result's buffers: the vLLM
 connector copies them once, straight into the paged cache, see
-:mod:`kvtransfer.kvcache`); small layers are copied once into a pack;
+:mod:`proserve.kvtransfer.kvcache`); small layers are copied once into a pack;
 tensors on an accelerator are staged through reusable pinned host buffers,
 tracked so a buffer is reused only after ZeroMQ released it.
 

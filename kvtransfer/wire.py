@@ -301,7 +301,7 @@ def _kv_header_ok(h: dict) -> bool:
 
 def _peek_xfer(head: memoryview) -> str | None:
     """Best-effort transfer id of an oversized message (to fail its transfer). Only a
-    header of a size :func:`decode` accepts is looked at, with its limits: the whole
+    header of a size :func:`proserve.decode` accepts is looked at, with its limits: the whole
     message may be far larger (a frame up to ``ZMQ_MAXMSGSIZE``), and unpacking, say,
     64 MB of one-byte empty arrays would build ~4 GB of Python lists on the receiver
     thread."""

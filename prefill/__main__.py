@@ -1,4 +1,4 @@
-"""``python -m prefill``: start a prefill worker (see ``prefill.worker``)."""
+"""``python -m proserve.prefill``: start a prefill worker (see ``proserve.prefill.worker``)."""
 
 from .worker import main
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from scheduler import registry, validate
-from scheduler.config import classes_from_dicts, default_classes
-from scheduler.estimator import SCALE_OFFSET, Estimator, LatencyModel, OnlineCorrector
-from scheduler.local.base import MODES, PREFILL_ONLY, LocalPolicy
-from scheduler.request import ConfigError, PriorityClass
-from scheduler.tdg import GainConfig
+from proserve.scheduler import registry, validate
+from proserve.scheduler.config import classes_from_dicts, default_classes
+from proserve.scheduler.estimator import SCALE_OFFSET, Estimator, LatencyModel, OnlineCorrector
+from proserve.scheduler.local.base import MODES, PREFILL_ONLY, LocalPolicy
+from proserve.scheduler.request import ConfigError, PriorityClass
+from proserve.scheduler.tdg import GainConfig
 
 from .params import default_class_of
 
@@ -26,7 +26,7 @@ class EngineConfig:
     local_policy    a name from ``scheduler.registry.local_names()``, or "stock"
     mode            "prefill_only" (disaggregated prefill instance, φ_p) or
                     "colocated" (prefill chunks and decodes share batches)
-    latency_model   path of a latency-model JSON (``python -m profiler``'s output)
+    latency_model   path of a latency-model JSON (``python -m proserve.profiler``'s output)
     policy_params   keyword arguments of the policy, e.g. {"gamma": 1.0, "phi": "c"}
     classes         [{"name", "weight", "ttft_slo", "tpot_slo"}, ...] (default high/low)
     default_class   class of requests that name none (default: the lowest weight)
@@ -79,7 +79,7 @@ class Parts:
 
 
 def load_model(path: str | None) -> LatencyModel:
-    from profiler import modelfile  # file I/O stays out of scheduler/
+    from proserve.profiler import modelfile  # file I/O stays out of scheduler/
     return modelfile.load(path or modelfile.CPU_TINY)
 
 

@@ -1,17 +1,17 @@
 """ProServe's vLLM scheduler plugin: SlideBatching (or any registered local
 policy) decides each step's batch inside a real vLLM engine.
 
-Load it with ``scheduler_cls="prefill.engine_scheduler.ProServeScheduler"`` and
+Load it with ``scheduler_cls="proserve.prefill.engine_scheduler.ProServeScheduler"`` and
 configure it under ``additional_config={"proserve": {...}}`` (``python -m
-prefill --local-policy ...`` does both; see :class:`EngineConfig`).
+proserve.prefill --local-policy ...`` does both; see :class:`EngineConfig`).
 
 How the two decisions of Algorithm 1 reach vLLM, with vLLM left to do the rest
 (block allocation, prefix cache, KV connector, outputs); the vLLM internals this
-takes are all in :mod:`prefill.vllm_shim`, checked when the engine starts:
+takes are all in :mod:`proserve.prefill.vllm_shim`, checked when the engine starts:
 
 1. **Which requests, in which order.** Before vLLM's ``schedule()`` runs, the
-   plugin shows the policy an :class:`~scheduler.local.base.InstanceView` built
-   from vLLM's queues and gets a :class:`~scheduler.local.base.BatchPlan`. The
+   plugin shows the policy an :class:`~proserve.scheduler.local.base.InstanceView` built
+   from vLLM's queues and gets a :class:`~proserve.scheduler.local.base.BatchPlan`. The
    waiting queues are swapped, for the duration of the call, for queues holding
    only the planned requests in plan order; everything else goes back, in its
    old order, afterwards.
@@ -30,7 +30,7 @@ T_pd of the batch vLLM actually scheduled, and the pair feeds β.
 
 What is not vLLM-specific — the view with its admission reserve, the tokens each
 request runs, β, telling the policy of finished batches and requests — is
-:class:`scheduler.host.LocalHost`, the same code the simulator runs;
+:class:`proserve.scheduler.host.LocalHost`, the same code the simulator runs;
 ``tests/test_host_equivalence.py`` drives this plugin and the simulator through
 one event sequence and checks they take the same decisions.
 
@@ -73,10 +73,10 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from scheduler.host import LocalHost, ViewOrder
-from scheduler.local.base import PREFILL_ONLY, InstanceView
-from scheduler.request import ConfigError, Phase
-from scheduler.request import Request as PolicyRequest
+from proserve.scheduler.host import LocalHost, ViewOrder
+from proserve.scheduler.local.base import PREFILL_ONLY, InstanceView
+from proserve.scheduler.request import ConfigError, Phase
+from proserve.scheduler.request import Request as PolicyRequest
 
 from . import vllm_shim
 from .engine_config import EngineConfig, build

@@ -32,9 +32,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from scheduler import validate
-from scheduler.config import classes_from_dicts, default_classes
-from scheduler.request import ConfigError, PriorityClass
+from proserve.scheduler import validate
+from proserve.scheduler.config import classes_from_dicts, default_classes
+from proserve.scheduler.request import ConfigError, PriorityClass
 
 KEYS = ("priority_class", "weight", "ttft_slo", "tpot_slo", "arrival_time")
 #: environment variable through which the worker hands the class table to the

@@ -65,7 +65,7 @@ def for_policy(policy: str, estimator=None) -> "SchedulerMetrics":
 
 class SchedulerMetrics:
     """The metrics of one engine, labelled with its local policy. Given the engine's
-    :class:`~scheduler.estimator.Estimator`, it also reports the correction's offset δ."""
+    :class:`~proserve.scheduler.estimator.Estimator`, it also reports the correction's offset δ."""
 
     def __init__(self, policy: str, estimator=None):
         for key, family in _families().items():

@@ -1,4 +1,4 @@
-"""Every private vLLM internal the engine plugin (``prefill.engine_scheduler``)
+"""Every private vLLM internal the engine plugin (``proserve.prefill.engine_scheduler``)
 relies on, in one place, checked at start-up.
 
 vLLM's scheduler has no public hook to reorder its waiting queue or to cap one
@@ -48,7 +48,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_qu
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from scheduler.request import ConfigError
+from proserve.scheduler.request import ConfigError
 
 #: vLLM releases the plugin is tested on: [low, high)
 SUPPORTED = ("0.32", "0.33")

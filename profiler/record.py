@@ -1,6 +1,6 @@
 """Step records: parse what the engine measured, and check it is what the grid asked for.
 
-The scheduler plugin (``prefill.engine_scheduler`` with ``record_steps``) appends
+The scheduler plugin (``proserve.prefill.engine_scheduler`` with ``record_steps``) appends
 one JSON line per executed engine step::
 
     {"step": 17, "prefills": [[l_q, l_kv], ...], "decodes": [l_kv, ...], "time": 0.0123, ...}

@@ -3,7 +3,7 @@
 The engine is vLLM's offline ``LLM`` with ProServe's scheduler plugin in
 ``stock`` mode (vLLM's own batching decisions) and ``record_steps`` on, so
 every executed step is appended to a JSONL record with its batch composition
-and measured time; :mod:`profiler.record` reads and checks it. The engine runs
+and measured time; :mod:`proserve.profiler.record` reads and checks it. The engine runs
 in vLLM's default multi-process layout (front end, engine core, worker), the
 layout the serving workers run in, so the times are the ones the serving
 engine's online correction will see.
@@ -25,7 +25,7 @@ How the grid's batches are made (vLLM decides, the profiler arranges):
   added once each of them has two output tokens.
 
 Each submission's steps are checked against the grid point
-(:func:`profiler.record.classify`); a submission that did not produce the
+(:func:`proserve.profiler.record.classify`); a submission that did not produce the
 intended batches is retried (up to ``retries`` times).
 """
 
@@ -112,13 +112,13 @@ class Runner:
             raise EngineError(f"--device {settings.device}, but the vLLM installed here runs on "
                               f"'{current_platform.device_type}'")
         self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
-        from profiler.modelfile import BUNDLED
+        from proserve.profiler.modelfile import BUNDLED
         kwargs = dict(model=settings.model, load_format=settings.load_format, dtype=settings.dtype,
                       skip_tokenizer_init=settings.skip_tokenizer_init, max_model_len=settings.max_model_len,
                       block_size=settings.block_size, enforce_eager=settings.enforce_eager,
                       max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
                       enable_prefix_caching=True, seed=settings.seed,
-                      scheduler_cls="prefill.engine_scheduler.ProServeScheduler",
+                      scheduler_cls="proserve.prefill.engine_scheduler.ProServeScheduler",
                       additional_config={"proserve": {
                           "local_policy": "stock", "record_steps": str(record_path),
                           "latency_model": str(settings.latency_model or BUNDLED)}})

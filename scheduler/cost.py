@@ -8,12 +8,12 @@
 already applied (β = 1, δ = 0: the fitted model itself), so that a policy's
 per-request loop reads a cost with one call and no coefficient juggling. The
 correction is a scale β and a per-step offset δ (a corrected step takes
-β·T_pd + δ, :class:`scheduler.estimator.OnlineCorrector`): every coefficient
+β·T_pd + δ, :class:`proserve.scheduler.estimator.OnlineCorrector`): every coefficient
 is multiplied by β, and δ joins the per-step constant, t_c' = β·t_c + δ, since
 every formula here charges t_c exactly once per step (Eq. 7; ``decode_run``
 once per step of the run) and nothing else (``exec`` and GETMAXCHUNK price a
 request's share of a step, without t_c). Build one per
-scheduling step with :meth:`scheduler.estimator.Estimator.costs` (cached while
+scheduling step with :meth:`proserve.scheduler.estimator.Estimator.costs` (cached while
 β and δ are unchanged) or :meth:`StepCosts.of`. Alongside Eq. 5-7 it answers the
 derived questions the policies and the simulator ask:
 
@@ -27,7 +27,7 @@ derived questions the policies and the simulator ask:
   steps of one batch whose contexts grow by a token each step (the simulator's
   macro-steps).
 
-The next token's deadline (Eq. 3) is :meth:`scheduler.tdg.GainConfig.next_token_deadline`.
+The next token's deadline (Eq. 3) is :meth:`proserve.scheduler.tdg.GainConfig.next_token_deadline`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class StepCosts:
 
     @classmethod
     def of(cls, model, beta: float = 1.0, delta: float = 0.0) -> StepCosts:
-        """The costs of a :class:`~scheduler.estimator.LatencyModel` at correction ``beta``, ``delta``."""
+        """The costs of a :class:`~proserve.scheduler.estimator.LatencyModel` at correction ``beta``, ``delta``."""
         return cls(model.a_p, model.b_p, model.c_p, model.a_d, model.b_d, model.t_c, beta, delta)
 
     # -- Eq. 5-7 -------------------------------------------------------------------
@@ -107,7 +107,7 @@ class StepCosts:
 def queue_terms(costs: StepCosts, gain, Q, now: float) -> tuple[list[float], list[float]]:
     """``exec`` and ``remain`` of every request of ``Q`` (Alg. 1 lines 3-4) in one pass:
     :meth:`StepCosts.next_work`, and the time from ``now`` to the next token's deadline
-    (Eq. 3, :meth:`scheduler.tdg.GainConfig.next_token_deadline`). The form for a
+    (Eq. 3, :meth:`proserve.scheduler.tdg.GainConfig.next_token_deadline`). The form for a
     policy's per-step loop over its whole queue; ``tests/test_cost.py`` checks it
     against the scalar definitions."""
     a_p, b_p, c_p, a_d, b_d = costs.a_p, costs.b_p, costs.c_p, costs.a_d, costs.b_d

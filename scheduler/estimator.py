@@ -9,7 +9,7 @@ tokens already in the KV cache that they attend to.
 
 The model is fitted offline from (batch composition, measured time) samples by
 non-negative least squares and serialised as JSON text (file I/O lives outside
-``scheduler/``: see ``profiler.modelfile``). :class:`Estimator` wraps a model
+``scheduler/``: see ``proserve.profiler.modelfile``). :class:`Estimator` wraps a model
 with the online correction of §4.1::
 
     β_{i+1} = θ·β_i + (1-θ)·mean_{B in window}( T_real(B) / T_pd(B) )
@@ -330,7 +330,7 @@ class Estimator:
         return self.corrector.delta
 
     def costs(self) -> StepCosts:
-        """Eq. 5-7 at the current β and δ (:mod:`scheduler.cost`); rebuilt only when they or the model changed."""
+        """Eq. 5-7 at the current β and δ (:mod:`proserve.scheduler.cost`); rebuilt only when they or the model changed."""
         c, k = self._costs, self.corrector
         if c is None or c.beta != k.beta or c.delta != k.delta or self._costs_of is not self.model:
             c = self._costs = StepCosts.of(self.model, k.beta, k.delta)

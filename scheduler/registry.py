@@ -1,7 +1,7 @@
 """Policy registries: every local and global policy is chosen by name.
 
 Policies register themselves with :func:`register_local` / :func:`register_global`
-when their module is imported; ``scheduler.local`` and ``scheduler.routing``
+when their module is imported; ``proserve.scheduler.local`` and ``proserve.scheduler.routing``
 import all of theirs, so ``make_local("slide_batching", ...)`` works after
 ``import scheduler``.
 """

@@ -27,7 +27,7 @@ class Phase(enum.Enum):
 class PriorityClass:
     """A client priority class: its weight ``w_{p(r)}`` and default SLOs.
 
-    Defaults (see :func:`scheduler.config.default_classes`) follow the paper's
+    Defaults (see :func:`proserve.scheduler.config.default_classes`) follow the paper's
     §5.1 set-up: two classes, ``high`` with weight 2 and ``low`` with weight 1,
     sharing the same SLOs so that only the weight differs.
     """

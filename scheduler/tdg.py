@@ -154,7 +154,7 @@ def class_metrics(name: str, reqs: Sequence[Request], gain: GainConfig, duration
 
 def run_duration(reqs: Sequence[Request]) -> float:
     """First arrival → last emitted token (0 if none was emitted): the default ``duration``
-    of the rates here and in the alternatives' ``metrics`` modules (:mod:`scheduler.alternatives`)."""
+    of the rates here and in the alternatives' ``metrics`` modules (:mod:`proserve.scheduler.alternatives`)."""
     ends = [r.token_times[-1] for r in reqs if r.token_times]
     return (max(ends) - min(r.arrival for r in reqs)) if ends else 0.0
 

@@ -15,9 +15,9 @@ class (default :class:`ConfigError`; the request parser passes its own so a bad
 request maps to HTTP 400). Checks that relate two fields (``mu <= lam``) stay
 with their caller and raise through :func:`fail` where the wording fits.
 
-``ConfigError`` lives here, not in :mod:`scheduler.request`, so that the
+``ConfigError`` lives here, not in :mod:`proserve.scheduler.request`, so that the
 request model can use these checks without an import cycle;
-``scheduler.request.ConfigError`` is the same class.
+``proserve.scheduler.request.ConfigError`` is the same class.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """Does the online correction (§4.1) track a slowdown, in a real engine and in the simulator?
 
 A corrected step time is β·T_pd + δ (``scale_offset``, the default) or β·T_pd
-(``scale``, the paper's β alone); see :class:`scheduler.estimator.OnlineCorrector`.
+(``scale``, the paper's β alone); see :class:`proserve.scheduler.estimator.OnlineCorrector`.
 This runs both side by side (``--correction both``, the default) against two
 kinds of slowdown: a multiplicative one (every step takes longer in proportion)
 and an additive one (a fixed cost per step, however small the step).
@@ -35,14 +35,14 @@ single step times are bimodal (a step either is or is not cut by the other
 process's time slice), and the scheduler budgets with the expected time.
 
 The latency model must describe *this* machine: ``--profile`` first runs
-``python -m profiler`` on the full grid (about 2 minutes) and uses the model it
+``python -m proserve.profiler`` on the full grid (about 2 minutes) and uses the model it
 writes; the bundled profile was measured on another CPU and β would then start
 from that model's error, not from ~1. The engine runs compiled (as the workers
 serve and the profiler measures) unless ``--enforce-eager``; eager is the steadier
 choice here, because compiled mode compiles for each new batch shape it meets and
 those steps take seconds.
 
-**Simulator** (``--sim``). ``python -m sim``'s ``--true-latency-model`` mode: the
+**Simulator** (``--sim``). ``python -m proserve.sim``'s ``--true-latency-model`` mode: the
 simulated hardware follows a true model that differs from the profile the
 estimator starts from, (a) the profile with every coefficient × ``--factor``
 (1.5) and (b) the profile plus ``--fixed-ms`` (10 ms) per step (t_c + δ). One
@@ -101,7 +101,7 @@ def parse_args(argv=None):
     eng.add_argument("--slowdown-after", type=float, default=15.0, help="seconds before the slowdown starts")
     eng.add_argument("--duration", type=float, default=35.0, help="seconds of load in all")
     eng.add_argument("--profile", action="store_true",
-                     help="profile this machine first (python -m profiler) and use that model")
+                     help="profile this machine first (python -m proserve.profiler) and use that model")
     eng.add_argument("--profile-grid", default="full", help="grid of --profile: quick (~1 min) or full (~2 min)")
     eng.add_argument("--enforce-eager", action="store_true", help="run the engine eager (default: compiled)")
     eng.add_argument("--max-seqs", type=int, default=128,
@@ -240,7 +240,7 @@ def replay(model, rows: list[dict], mode: str, theta: float, window: float, key:
     correction over the records again (checked against the β each record holds). Another key
     replays another correction over the same measured steps (open loop: the plans were made
     with the engine's own)."""
-    from scheduler.estimator import Estimator, OnlineCorrector
+    from proserve.scheduler.estimator import Estimator, OnlineCorrector
 
     est = Estimator(model, OnlineCorrector(theta, window, mode=mode))
     for r in rows:
@@ -271,7 +271,7 @@ def run_engine(args, record: str) -> tuple[float, float]:
     llm = LLM(model=str(ROOT / "prefill" / "models" / "tiny-llama"), load_format="dummy",
               skip_tokenizer_init=True, max_model_len=2048, block_size=32, dtype="bfloat16",
               enforce_eager=args.enforce_eager, max_num_seqs=args.max_seqs, max_num_batched_tokens=4096,
-              scheduler_cls="prefill.engine_scheduler.ProServeScheduler",
+              scheduler_cls="proserve.prefill.engine_scheduler.ProServeScheduler",
               additional_config={"proserve": cfg})
     rng = random.Random(0)
     hog: dict = {}
@@ -326,7 +326,7 @@ def run_engine(args, record: str) -> tuple[float, float]:
 def profile_here(args) -> str:
     out = Path(tempfile.mkdtemp(prefix="beta-profile-")) / "model.json"
     # the same core binding and block size as the engine below
-    cmd = [sys.executable, "-m", "profiler", "--grid", args.profile_grid, "--out", str(out), "--cpu-bind", args.core,
+    cmd = [sys.executable, "-m", "proserve.profiler", "--grid", args.profile_grid, "--out", str(out), "--cpu-bind", args.core,
            "--block-size", "32"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
@@ -342,7 +342,7 @@ def engine_one(args) -> dict:
     """One engine run with one correction: its report and summary row."""
     record = args.record or tempfile.mktemp(suffix=".jsonl", prefix=f"beta-{args.correction}-")
     t_slow, t_stop = run_engine(args, record)
-    from profiler import modelfile
+    from proserve.profiler import modelfile
     model = modelfile.load(args.latency_model or modelfile.CPU_TINY)
     with open(record) as f:
         rows = [json.loads(line) for line in f]
@@ -403,10 +403,10 @@ def engine(args) -> list[dict]:
 
 # -- the simulator ---------------------------------------------------------------------------------
 def sim(args) -> list[dict]:
-    from profiler import modelfile
-    from scheduler import LatencyModel, Request
-    from scheduler.estimator import COEFFS, OnlineCorrector
-    from sim.cluster import SimConfig, Simulator
+    from proserve.profiler import modelfile
+    from proserve.scheduler import LatencyModel, Request
+    from proserve.scheduler.estimator import COEFFS, OnlineCorrector
+    from proserve.sim.cluster import SimConfig, Simulator
 
     class Recorder(OnlineCorrector):
         """The correction, noting each step's measured time and the estimate it was planned with."""

@@ -19,7 +19,7 @@ Parts (``--parts``, default all but ``vllm`` and ``cluster``, which start engine
   dispatcher's CPU time per request (from /proc: robust on a shared machine;
   1 / that is what one core sustains).
 * ``vllm`` — like ``overhead`` against a real co-located vLLM CPU worker
-  (``python -m prefill --colocated``): TTFT and latency, direct vs dispatcher.
+  (``python -m proserve.prefill --colocated``): TTFT and latency, direct vs dispatcher.
 * ``cluster`` — a real 1P1D cluster (scripts/launch_cluster.sh) saturated by a
   burst; its throughput, and the dispatcher's CPU use meanwhile (the share of
   one core it needed: far below 1 means it is not the bottleneck).
@@ -64,11 +64,11 @@ def cpu_seconds(pid: int) -> float:
 
 # -- route -----------------------------------------------------------------------------------------
 def part_route(args) -> None:
-    from dispatcher.auth import Grant
-    from dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec
-    from dispatcher.requests import Job, scheduler_request
-    from dispatcher.server import Dispatcher
-    from scheduler.config import default_classes
+    from proserve.dispatcher.auth import Grant
+    from proserve.dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec
+    from proserve.dispatcher.requests import Job, scheduler_request
+    from proserve.dispatcher.server import Dispatcher
+    from proserve.scheduler.config import default_classes
 
     classes = default_classes()
     rng = random.Random(0)
@@ -155,14 +155,14 @@ async def wait_http(url: str, timeout: float = 300) -> None:
 
 
 def start_fakes(port: int, count: int, tmp: Path, **kw) -> Proc:
-    argv = [sys.executable, "-m", "bench.fake_worker", "--port", str(port), "--count", str(count)]
+    argv = [sys.executable, "-m", "proserve.bench.fake_worker", "--port", str(port), "--count", str(count)]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return Proc(argv, tmp / f"fake-{port}.log")
 
 
 def start_dispatcher(tmp: Path, port: int, prefills: list[str], decodes: list[tuple[str, str]], *extra) -> Proc:
-    argv = [sys.executable, "-m", "dispatcher", "--port", str(port), "--log-level", "warning", "--wait-ready", "30"]
+    argv = [sys.executable, "-m", "proserve.dispatcher", "--port", str(port), "--log-level", "warning", "--wait-ready", "30"]
     for u in prefills:
         argv += ["--prefill", u]
     for u, kv in decodes:
@@ -298,7 +298,7 @@ def part_throughput(args, tmp: Path) -> None:
 def part_vllm(args, tmp: Path) -> None:
     n = 40 if args.quick else 100
     wp, dport = free_port(), free_port()
-    worker = Proc([sys.executable, "-m", "prefill", "--colocated", "--port", str(wp), "--cpu-bind", "0"],
+    worker = Proc([sys.executable, "-m", "proserve.prefill", "--colocated", "--port", str(wp), "--cpu-bind", "0"],
                   tmp / "vllm-worker.log")
     disp = start_dispatcher(tmp, dport, [f"http://127.0.0.1:{wp}"], [])
     rng = random.Random(0)

@@ -79,7 +79,7 @@ def _modes(modes: list[str], reps: int) -> list[str]:
 
 def receiver_main(addrs: dict, plan: dict, reps: int, credit: int, modes: list[str], keys: str | None, q) -> None:
     import zmq
-    from kvtransfer.transport import KVReceiver, ServerKeys
+    from proserve.kvtransfer.transport import KVReceiver, ServerKeys
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(addrs["raw"])
@@ -117,7 +117,7 @@ def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, pack: dict, mode
                 q) -> None:
     import numpy as np
     import zmq
-    from kvtransfer.transport import ClientKeys, KVSender
+    from proserve.kvtransfer.transport import ClientKeys, KVSender
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(addrs["raw"])
@@ -192,7 +192,7 @@ def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, pack: dict, mode
 
 
 def run_case(transport: str, size: int, args, tmp: str, modes: list[str], keys: str | None) -> dict:
-    from kvtransfer.transport import free_port
+    from proserve.kvtransfer.transport import free_port
     plan = _plan(size, args.layers, args.chunk_bytes, args.min_total_mb * MB)
     names = ("raw", "raw_ack", "kv", "kv_acc", "kv_curve")
     if transport == "tcp":
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--curve", action="store_true",
                     help="also measure kvtransfer over CURVE (encrypted, authenticated) in the same run")
     args = ap.parse_args()
-    from kvtransfer import transport as T
+    from proserve.kvtransfer import transport as T
     if args.chunk_mb:
         args.chunk_bytes = int(args.chunk_mb * MB)
     args.chunk_bytes = args.chunk_bytes or T.DEFAULT_CHUNK_BYTES
@@ -257,7 +257,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvbench") as tmp:
         keys = None
         if args.curve:
-            from kvtransfer.auth import generate_keys
+            from proserve.kvtransfer.auth import generate_keys
             keys = os.path.join(tmp, "keys")
             generate_keys(keys)
         for transport in args.transports:

@@ -36,11 +36,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workloads import build_workload  # noqa: E402
-from profiler.modelfile import BUNDLED, load  # noqa: E402
-from scheduler import Estimator, GainConfig, Request, make_global, make_local, registry  # noqa: E402
-from scheduler.local.base import InstanceView  # noqa: E402
-from scheduler.routing.base import PrefillInstance, PrefillQueueMap  # noqa: E402
+from proserve.bench.workloads import build_workload  # noqa: E402
+from proserve.profiler.modelfile import BUNDLED, load  # noqa: E402
+from proserve.scheduler import Estimator, GainConfig, Request, make_global, make_local, registry  # noqa: E402
+from proserve.scheduler.local.base import InstanceView  # noqa: E402
+from proserve.scheduler.routing.base import PrefillInstance, PrefillQueueMap  # noqa: E402
 
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023.csv"
 MODEL = load(BUNDLED)
@@ -288,7 +288,7 @@ def bench_global_all(n_inst: int, per_queue: int, warmup: int, routes: int) -> N
 
 
 def bench_sim(instances: int, num_requests: int | None) -> None:
-    from sim.cluster import SimConfig, simulate
+    from proserve.sim.cluster import SimConfig, simulate
 
     reqs = build_workload(str(TRACE), rate=None, num_requests=num_requests, seed=0, fmt="azure")
     span = reqs[-1].arrival - reqs[0].arrival

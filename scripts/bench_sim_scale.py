@@ -4,14 +4,14 @@
 Workload: the Azure 2023 conversation trace bundled as ``bench/data/azure_conv_2023.csv``
 (byte-identical to ``../shared/data/AzureLLMInferenceTrace_conv.csv``): its timestamps
 scaled to the offered rate (§5.1), then its arrival process — gaps and lengths — played
-back to back until ``--hours`` of arrivals (``bench.workloads.repeat_arrivals``), tagged
+back to back until ``--hours`` of arrivals (``proserve.bench.workloads.repeat_arrivals``), tagged
 50/50 high/low. Requests are made lazily and dropped when they end
-(``sim.stream.simulate_stream``: metrics only, no per-token timelines kept), so memory
+(``proserve.sim.stream.simulate_stream``: metrics only, no per-token timelines kept), so memory
 stays flat whatever the number of requests.
 
 Offered rate (near capacity by default): ``--load`` × instances × the per-instance
 capacity. The capacity is what the planner's highest-rate mode finds for one
-co-located instance (``python -m sim plan --deployment colocated:1``) under
+co-located instance (``python -m proserve.sim plan --deployment colocated:1``) under
 ``--capacity-target`` (default: the high class keeps TDG_Ratio >= 0.95 and SLO
 attainment >= 0.9), 2,000 requests; or give it with ``--per-instance-rate``, or give
 the total with ``--rate`` (``--rate trace``: the trace's own mean rate, 5.5 req/s).
@@ -41,13 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.traces import load_trace
-from bench.workloads import iter_tagged, repeat_arrivals, scale_to_rate
-from profiler.modelfile import BUNDLED, load
-from scheduler import GainConfig
-from scheduler.request import ConfigError
-from sim.cluster import SimConfig
-from sim.stream import simulate_stream
+from proserve.bench.traces import load_trace
+from proserve.bench.workloads import iter_tagged, repeat_arrivals, scale_to_rate
+from proserve.profiler.modelfile import BUNDLED, load
+from proserve.scheduler import GainConfig
+from proserve.scheduler.request import ConfigError
+from proserve.sim.cluster import SimConfig
+from proserve.sim.stream import simulate_stream
 
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023.csv"
 DEFAULT_TARGET = "high:tdg>=0.95,slo>=0.9"
@@ -55,8 +55,8 @@ DEFAULT_TARGET = "high:tdg>=0.95,slo>=0.9"
 
 def measure_capacity(target: str, model_path: str | None, local: str, glob: str, jobs: int) -> float:
     """One co-located instance's highest sustained rate, by the planner's highest-rate mode."""
-    from sim import plan as pl
-    from sim.__main__ import RunSpec, run_spec
+    from proserve.sim import plan as pl
+    from proserve.sim.__main__ import RunSpec, run_spec
     targets = pl.parse_targets([target], ("high", "low"))
     base = RunSpec(trace="azure", num_requests=2000, latency_model=model_path,
                    sim=SimConfig(local_policy=local, global_policy=glob))

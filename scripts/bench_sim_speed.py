@@ -33,11 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workloads import build_workload
-from profiler.modelfile import BUNDLED, load
-from scheduler import GainConfig, registry
-from scheduler.request import ConfigError
-from sim.cluster import SimConfig, simulate
+from proserve.bench.workloads import build_workload
+from proserve.profiler.modelfile import BUNDLED, load
+from proserve.scheduler import GainConfig, registry
+from proserve.scheduler.request import ConfigError
+from proserve.sim.cluster import SimConfig, simulate
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 OVERLOAD_RATE = 50.0   # req/s offered to measure saturation: far above what one instance serves

@@ -15,23 +15,23 @@ Every run is scored on (overall and per priority class):
 
 * PROSERVE's TDG_Ratio (the headline; first-token TDG too), SLO attainment
   (TTFT and mean TPOT strictly below the SLOs), P99 TTFT and TPOT,
-  throughput (``scheduler.tdg.summarize``);
+  throughput (``proserve.scheduler.tdg.summarize``);
 * JITServe's token goodput ratio (tokens on their TTFT + (i-1)·TPOT timeline
   over tokens to produce) and request goodput ratio
-  (``scheduler.alternatives.jitserve.metrics``);
+  (``proserve.scheduler.alternatives.jitserve.metrics``);
 * SLOs-Serve's per-request attainment, on its §3.2 deadline line (the
-  default) and on its §6 10-token windows (``scheduler.alternatives.slos_serve.metrics``),
+  default) and on its §6 10-token windows (``proserve.scheduler.alternatives.slos_serve.metrics``),
   and, over the rates of a sweep, its serving capacity: the rate at which
   attainment crosses 90 % (per seed, then mean ± sd);
 * UniBoost's P99 TTLT, i.e. last token minus arrival, over completed requests
-  (``scheduler.alternatives.uniboost.metrics``; unfinished requests are counted).
+  (``proserve.scheduler.alternatives.uniboost.metrics``; unfinished requests are counted).
 
 Writes ``<deployment>.json`` (every run, the seed means, the capacities, the
 configuration and the wall time), ``<deployment>.md`` (tables) and
 ``<deployment>.png`` (one panel per metric vs rate, one line per policy) under
 ``--out`` (default ``docs/results/alternatives``), and ``README.md`` there
 with the command and the runtime. Runs fan out over ``--jobs`` processes, as
-``python -m sim sweep`` does.
+``python -m proserve.sim sweep`` does.
 
 Beside the defaults it runs the papers' own variants (``COLOCATED_VARIANTS``:
 JITServe ranking by plain-token goodput, UniBoost without γ-Ada or MemGuard)
@@ -60,12 +60,12 @@ from typing import Iterable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.alternatives.jitserve import metrics as jitserve  # noqa: E402
-from scheduler.alternatives.slos_serve import metrics as slos_serve  # noqa: E402
-from scheduler.alternatives.uniboost import metrics as uniboost  # noqa: E402
-from sim.__main__ import RunSpec, _gain, _load_model, _workload  # noqa: E402
-from sim.cluster import SimConfig, Simulator  # noqa: E402
-from sim.report import _clean, lookup, metrics_dict  # noqa: E402
+from proserve.scheduler.alternatives.jitserve import metrics as jitserve  # noqa: E402
+from proserve.scheduler.alternatives.slos_serve import metrics as slos_serve  # noqa: E402
+from proserve.scheduler.alternatives.uniboost import metrics as uniboost  # noqa: E402
+from proserve.sim.__main__ import RunSpec, _gain, _load_model, _workload  # noqa: E402
+from proserve.sim.cluster import SimConfig, Simulator  # noqa: E402
+from proserve.sim.report import _clean, lookup, metrics_dict  # noqa: E402
 
 # SlideBatching first (drawn bold), then the three alternatives, then the baselines.
 COLOCATED_LOCALS = (
@@ -390,9 +390,9 @@ def markdown(deployment: str, rows: Sequence[dict], caps: dict[str, list[dict]],
 
 # -- plot -------------------------------------------------------------------------------------
 def plot(rows: Sequence[dict], path: str | Path, title: str = "", panels=PANELS) -> None:
-    """One panel per metric vs rate, one line per policy, styled as ``sim.report.plot_sweep``
+    """One panel per metric vs rate, one line per policy, styled as ``proserve.sim.report.plot_sweep``
     (first series bold black, tab20 colours, distinct markers)."""
-    from sim.report import _pyplot
+    from proserve.sim.report import _pyplot
     plt = _pyplot()
     ncol = 4
     nrow = math.ceil(len(panels) / ncol)

@@ -4,7 +4,7 @@
 # API keys for a high- and a low-priority client), replay a short priority-tagged
 # slice of the Azure conversation trace through it, print the per-priority report
 # (TDG_Ratio, SLO attainment, TTFT/TPOT percentiles, throughput), stop the cluster.
-#   scripts/demo.sh [--skip-install] [extra `python -m bench.loadgen` flags, e.g. --rate 8]
+#   scripts/demo.sh [--skip-install] [extra `python -m proserve.bench.loadgen` flags, e.g. --rate 8]
 # Output: out/demo/ (loadgen/ report, per-request records and plots; run/ logs).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,7 +31,7 @@ bash scripts/launch_cluster.sh -d "$run" --keys "$out/keys.toml"
 echo
 rc=0
 echo "replaying 120 requests (Azure conversation trace at 4 req/s, lengths / 4, 50/50 high/low, half streamed)"
-python3 -m bench.loadgen --url http://127.0.0.1:8000 --api proserve --keys "$out/keys.toml" \
+python3 -m proserve.bench.loadgen --url http://127.0.0.1:8000 --api proserve --keys "$out/keys.toml" \
   --num-requests 120 --rate 4 --prompt-div 4 --output-div 4 --max-prompt 1024 \
   --stream-fraction 0.5 --out "$out/loadgen" "$@" || rc=$?
 echo

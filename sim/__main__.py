@@ -1,12 +1,12 @@
 """Command line of the cluster simulator.
 
-    python -m sim run    ...   one configuration: table, JSON, optional plots
-    python -m sim sweep  ...   request rates × policies × seeds: one table, one plot
-    python -m sim plan   ...   capacity planning: the cheapest deployment meeting per-class
+    python -m proserve.sim run    ...   one configuration: table, JSON, optional plots
+    python -m proserve.sim sweep  ...   request rates × policies × seeds: one table, one plot
+    python -m proserve.sim plan   ...   capacity planning: the cheapest deployment meeting per-class
                                targets at a rate, or the highest rate a deployment sustains
-    python -m sim policies     list the local and global policies by name
+    python -m proserve.sim policies     list the local and global policies by name
 
-Run ``python -m sim <command> --help`` for the flags.
+Run ``python -m proserve.sim <command> --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from scheduler import registry
-from scheduler.config import classes_from_dicts, default_classes, parse_key_values
-from scheduler.request import ConfigError, PriorityClass
-from scheduler.tdg import GainConfig
+from proserve.scheduler import registry
+from proserve.scheduler.config import classes_from_dicts, default_classes, parse_key_values
+from proserve.scheduler.request import ConfigError, PriorityClass
+from proserve.scheduler.tdg import GainConfig
 
 from .cluster import DEPLOYMENTS, SimConfig, simulate
 from .report import (
@@ -68,7 +68,7 @@ class RunSpec:
 
 
 def _load_model(path: str | None):
-    from profiler.modelfile import BUNDLED, load
+    from proserve.profiler.modelfile import BUNDLED, load
     return load(path or BUNDLED)
 
 
@@ -76,14 +76,14 @@ def _workload(spec: RunSpec):
     if spec.shaped:
         # the load generator's pipeline (bench.loadgen.workload.make_workload), so that a
         # simulated workload is the one bench.loadgen sends to a real cluster
-        from bench.loadgen.workload import make_workload
+        from proserve.bench.loadgen.workload import make_workload
         if spec.shares:
             raise ConfigError("--shares cannot be combined with --prompt-div/--output-div/--max-prompt "
                               "(the load generator tags classes 50/50)")
         return make_workload(spec.trace, spec.rate, spec.num_requests, spec.seed, spec.classes,
                              spec.trace_format, spec.prompt_div, spec.output_div, spec.max_prompt,
                              spec.max_model_len)
-    from bench.workloads import build_workload
+    from proserve.bench.workloads import build_workload
     source = str(BUNDLED_TRACE) if spec.trace == "azure" else spec.trace
     fmt = "azure" if spec.trace == "azure" else spec.trace_format
     return build_workload(source, rate=spec.rate, num_requests=spec.num_requests, seed=spec.seed,
@@ -413,8 +413,8 @@ Prints every point tried (deployment, rate, per-class TDG_Ratio and SLO attainme
 the worst seed, pass/fail, simulation wall time, search step) and the answer; exit
 status 1 if nothing passes. Example:
 
-  python -m sim plan --rate 12 --target high:tdg_ratio>=0.95,slo>=0.9 --seeds 0,1 --plot plan.png
-  python -m sim plan --deployment disagg:1:2 --target high:tdg>=0.95,slo>=0.9
+  python -m proserve.sim plan --rate 12 --target high:tdg_ratio>=0.95,slo>=0.9 --seeds 0,1 --plot plan.png
+  python -m proserve.sim plan --deployment disagg:1:2 --target high:tdg>=0.95,slo>=0.9
 """
 
 PAPER_LOCAL = ("slide_batching,vllm_fcfs,weighted_vtc,sarathi_fcfs,sarathi_priority,fairbatching,"
@@ -422,11 +422,11 @@ PAPER_LOCAL = ("slide_batching,vllm_fcfs,weighted_vtc,sarathi_fcfs,sarathi_prior
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m proserve.sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="simulate one configuration")
-    r.add_argument("--local", default="slide_batching", help="local batch policy (see `python -m sim policies`)")
+    r.add_argument("--local", default="slide_batching", help="local batch policy (see `python -m proserve.sim policies`)")
     r.add_argument("--global", dest="glob", default="go_routing", help="global routing policy")
     r.add_argument("--rate", type=float, help="scale the trace to this mean request rate (req/s)")
     r.add_argument("--seed", type=int, default=0)

@@ -3,8 +3,8 @@
 Two deployments, the ones the paper evaluates:
 
 * ``colocated``: N instances, each running chunked prefill and decodes in the
-  same batches, batches formed by a local policy from ``scheduler.local``;
-  requests routed by a global policy from ``scheduler.routing``.
+  same batches, batches formed by a local policy from ``proserve.scheduler.local``;
+  requests routed by a global policy from ``proserve.scheduler.routing``.
 * ``disaggregated``: P prefill instances (local policy in prefill-only mode)
   and D decode instances (continuous batching of every running decode). A
   finished prefill emits the first token, then its KV cache moves to the decode
@@ -33,14 +33,14 @@ from typing import Sequence
 
 import numpy as np
 
-from scheduler import validate
-from scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
-from scheduler.host import LocalHost, RouterHost
-from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, blocks_for
-from scheduler.registry import make_global, make_local
-from scheduler.request import ConfigError, Phase, PriorityClass, Request
-from scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance
-from scheduler.tdg import GainConfig
+from proserve.scheduler import validate
+from proserve.scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
+from proserve.scheduler.host import LocalHost, RouterHost
+from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, blocks_for
+from proserve.scheduler.registry import make_global, make_local
+from proserve.scheduler.request import ConfigError, Phase, PriorityClass, Request
+from proserve.scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance
+from proserve.scheduler.tdg import GainConfig
 
 DEPLOYMENTS = (COLOCATED, DISAGGREGATED)
 
@@ -151,7 +151,7 @@ class Simulator:
         self.model = model
         self.truth = config.true_model or model
         self.gain = gain or GainConfig()
-        from scheduler.config import default_classes
+        from proserve.scheduler.config import default_classes
         self.classes = classes or default_classes()
         md = model.metadata
         self.block_size = int(config.block_size or md.get("block_size", 16))

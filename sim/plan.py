@@ -1,4 +1,4 @@
-"""Capacity planning on the simulator (``python -m sim plan``).
+"""Capacity planning on the simulator (``python -m proserve.sim plan``).
 
 Two questions, each answered by simulating candidate points (a deployment at a
 request rate, every seed of ``--seeds``) until a search closes:
@@ -9,7 +9,7 @@ request rate, every seed of ``--seeds``) until a search closes:
 * **highest rate of a deployment** (:meth:`Planner.highest_rate`): the highest
   request rate at which it still meets every target, to a relative tolerance.
 
-A target is a per-class bound on a metric of :func:`scheduler.tdg.summarize`,
+A target is a per-class bound on a metric of :func:`proserve.scheduler.tdg.summarize`,
 written ``CLASS:METRIC>=VALUE[,METRIC<=VALUE...]`` (:func:`parse_targets`), e.g.
 ``high:tdg_ratio>=0.95,slo>=0.9`` or ``all:ttft_p99<=2``. A point passes when
 every seed meets every target; the table shows the worst seed.
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from scheduler.request import ConfigError
+from proserve.scheduler.request import ConfigError
 
 COLOCATED, DISAGGREGATED = "colocated", "disaggregated"
 
@@ -175,7 +175,7 @@ class Deployment:
         return f"colocated:{self.p}" if self.kind == COLOCATED else f"disagg:{self.p}:{self.d}"
 
     def apply(self, sim):
-        """``sim`` (a :class:`sim.cluster.SimConfig`) with this deployment."""
+        """``sim`` (a :class:`proserve.sim.cluster.SimConfig`) with this deployment."""
         if self.kind == COLOCATED:
             return replace(sim, deployment=COLOCATED, instances=self.p)
         return replace(sim, deployment=DISAGGREGATED, prefill_instances=self.p, decode_instances=self.d)
@@ -324,7 +324,7 @@ class PlanResult:
 class Planner:
     """Simulates points on demand, caching each (deployment, rate).
 
-    ``base``: a :class:`sim.__main__.RunSpec` (workload, model, policies, SimConfig)
+    ``base``: a :class:`proserve.sim.__main__.RunSpec` (workload, model, policies, SimConfig)
     whose deployment, rate and seed the planner sets per run; ``run``: the function
     that simulates one spec and returns ``run_spec``'s dict (picklable, it goes to
     worker processes when ``jobs > 1``).

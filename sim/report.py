@@ -10,8 +10,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from scheduler.request import Request
-from scheduler.tdg import ClassMetrics, GainConfig, slo_attained, summarize
+from proserve.scheduler.request import Request
+from proserve.scheduler.tdg import ClassMetrics, GainConfig, slo_attained, summarize
 
 
 def request_records(reqs: Iterable[Request], gain: GainConfig) -> list[dict]:
@@ -49,9 +49,9 @@ class _Sums:
 
 
 class MetricsAccumulator:
-    """:func:`scheduler.tdg.summarize` over a stream: each request is added once, when
+    """:func:`proserve.scheduler.tdg.summarize` over a stream: each request is added once, when
     it ends, and can then be dropped — the memory-light path of long simulations
-    (``sim.stream``), where millions of requests' token timelines would not fit.
+    (``proserve.sim.stream``), where millions of requests' token timelines would not fit.
 
     Per request it calls the same functions as ``summarize`` (``GainConfig.tdg``,
     ``ideal_gain``, ``token_deadline``, ``slo_attained``, ``Request.ttft/tpot``)

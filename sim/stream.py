@@ -1,6 +1,6 @@
 """The memory-light way to run the simulator over millions of requests.
 
-:func:`simulate_stream` runs the same :class:`sim.cluster.Simulator` (the same
+:func:`simulate_stream` runs the same :class:`proserve.sim.cluster.Simulator` (the same
 events in the same order, so the same decisions and token times) with two
 differences that keep memory flat over a day of arrivals:
 
@@ -8,12 +8,12 @@ differences that keep memory flat over a day of arrivals:
   ``bench.workloads.iter_tagged(repeat_arrivals(...))``): one arrival ahead is
   in the event queue instead of all of them;
 * each request, when it ends (finished or failed), goes to a
-  :class:`sim.report.MetricsAccumulator` and to an optional callback, and the
+  :class:`proserve.sim.report.MetricsAccumulator` and to an optional callback, and the
   simulator keeps no reference to it, so its token timeline is freed.
 
 Only the metrics come back (per class, as ``summarize`` gives them), not the
 requests. tests/test_sim_stream.py checks that the metrics, steps and
-preemptions equal a plain :func:`sim.cluster.simulate` of the same requests.
+preemptions equal a plain :func:`proserve.sim.cluster.simulate` of the same requests.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from scheduler.estimator import LatencyModel
-from scheduler.request import ConfigError, PriorityClass, Request
-from scheduler.tdg import ClassMetrics, GainConfig
+from proserve.scheduler.estimator import LatencyModel
+from proserve.scheduler.request import ConfigError, PriorityClass, Request
+from proserve.scheduler.tdg import ClassMetrics, GainConfig
 
 from .cluster import _ARRIVAL, SimConfig, Simulator
 from .report import MetricsAccumulator

@@ -2,7 +2,7 @@ import importlib.util
 
 import pytest
 
-from scheduler import Request
+from proserve.scheduler import Request
 
 
 def pytest_collection_modifyitems(config, items):

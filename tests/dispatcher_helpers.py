@@ -15,9 +15,9 @@ for _mod in ("httpx", "uvicorn", "fastapi", "aiohttp", "prometheus_client"):
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
-from bench.fake_worker import FakeWorker  # noqa: E402
-from dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec, keys_from_dict  # noqa: E402
-from dispatcher.server import Dispatcher, create_app, uvicorn_config  # noqa: E402
+from proserve.bench.fake_worker import FakeWorker  # noqa: E402
+from proserve.dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec, keys_from_dict  # noqa: E402
+from proserve.dispatcher.server import Dispatcher, create_app, uvicorn_config  # noqa: E402
 from pd_helpers import free_port  # noqa: E402
 
 KEYS = {"keys": [
@@ -60,7 +60,7 @@ async def harness(n_prefill: int = 1, n_decode: int = 1, keys: dict | None = KEY
                   worker_kw: dict | None = None, uvicorn_kw: dict | None = None, **cfg_kw):
     """The dispatcher (``cfg_kw``: DispatcherConfig fields) in front of fake workers
     (``worker_kw``: FakeWorker fields); ``uvicorn_kw`` goes to
-    :func:`dispatcher.server.uvicorn_config` (e.g. ``http_impl="h11"``)."""
+    :func:`proserve.dispatcher.server.uvicorn_config` (e.g. ``http_impl="h11"``)."""
     kw = worker_kw or {}
     prefills = [await FakeWorker(**kw).start() for _ in range(n_prefill)]
     decodes = [] if colocated else [await FakeWorker(**kw).start() for _ in range(n_decode)]

@@ -50,8 +50,8 @@ def main() -> None:
     llm = LLM(model=tiny, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, block_size=32,
               dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
               max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=False,
-              scheduler_cls="prefill.engine_scheduler.ProServeScheduler",
-              logits_processors=["prefill.params:ParamsValidator"],
+              scheduler_cls="proserve.prefill.engine_scheduler.ProServeScheduler",
+              logits_processors=["proserve.prefill.params:ParamsValidator"],
               additional_config={"proserve": proserve})
     print(json.dumps({"engine": {"proserve": proserve, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                                  "max_num_seqs": MAX_NUM_SEQS}}), flush=True)

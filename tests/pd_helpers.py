@@ -1,5 +1,5 @@
 """Helpers for tests that run real vLLM workers: a seeded random-init checkpoint,
-starting `python -m prefill` / `python -m decode`, and OpenAI-API calls."""
+starting `python -m proserve.prefill` / `python -m proserve.decode`, and OpenAI-API calls."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.local_cluster import free_port  # noqa: F401  (tests import it from here)
+from proserve.bench.local_cluster import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = ROOT / "prefill" / "models" / "tiny-llama" / "config.json"
@@ -33,7 +33,7 @@ def make_checkpoint(dest: Path, seed: int = 0) -> Path:
 
 
 class Worker:
-    """A `python -m prefill|decode` subprocess with its log file."""
+    """A `python -m proserve.prefill|decode` subprocess with its log file."""
 
     def __init__(self, role: str, port: int, log: Path, extra: list[str], env: dict | None = None):
         self.role, self.port, self.log_path = role, port, log

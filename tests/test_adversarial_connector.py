@@ -1,5 +1,5 @@
 """Adversarial test of the decode side's check and direct write of a received
-transfer (``ProServeConnector._inject``, :mod:`kvtransfer.kvcache`): random
+transfer (``ProServeConnector._inject``, :mod:`proserve.kvtransfer.kvcache`): random
 transfers -- wrong and right digests, dtypes, block shapes, block positions
 (gaps, shifted, beyond the request), layer indices beyond the cache, chunked
 layers carrying per-chunk or whole-layer block lists, chunks that do not tile
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-connector = pytest.importorskip("kvtransfer.connector")
+connector = pytest.importorskip("proserve.kvtransfer.connector")
 
-from kvtransfer.receiver import ChunkData, LayerData, TransferResult
+from proserve.kvtransfer.receiver import ChunkData, LayerData, TransferResult
 
 NBLOCKS = 20
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from dispatcher_helpers import RawConn, harness, metric, post_head, run, until
 
-from dispatcher import server
+from proserve.dispatcher import server
 
 PROMPT = list(range(1, 41))
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtransfer import wire
-from kvtransfer.transport import KVReceiver, KVSender
+from proserve.kvtransfer import wire
+from proserve.kvtransfer.transport import KVReceiver, KVSender
 
 
 @pytest.fixture(autouse=True)
@@ -359,7 +359,7 @@ def _zmtp_send(s: socket.socket, data: bytes) -> None:
 
 _RECEIVER_PROC = r'''
 import sys
-from kvtransfer.transport import KVReceiver
+from proserve.kvtransfer.transport import KVReceiver
 rx = KVReceiver()
 print(rx.address, flush=True)
 for line in sys.stdin:   # each line: print the routing ids of the peers seen so far
@@ -419,7 +419,7 @@ def test_breaker_probe_that_cannot_make_its_socket_does_not_stick_half_open(clos
     even once the receiver was up."""
     import errno
 
-    from kvtransfer.transport import DestinationUnavailable, TransferError, free_port
+    from proserve.kvtransfer.transport import DestinationUnavailable, TransferError, free_port
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -462,7 +462,7 @@ def test_hostile_receiver_cannot_stall_a_sender_past_its_budget(closing):
     the breaker opens."""
     import threading
 
-    from kvtransfer.transport import TransferTimeout
+    from proserve.kvtransfer.transport import TransferTimeout
 
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
@@ -514,7 +514,7 @@ def test_a_receivers_tiny_max_message_fails_the_transfer_instead_of_stalling_the
     such a layer fails its transfer at once, naming the receiver's limit."""
     import threading
 
-    from kvtransfer.transport import TransferError
+    from proserve.kvtransfer.transport import TransferError
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -555,7 +555,7 @@ def test_a_flooding_receiver_cannot_hold_the_sender_in_one_call(closing):
     most PUMP_MAX_MESSAGES; the rest are read by later calls."""
     import threading
 
-    from kvtransfer import sender as sender_mod
+    from proserve.kvtransfer import sender as sender_mod
 
     N = 5000
     router = zmq.Context.instance().socket(zmq.ROUTER)

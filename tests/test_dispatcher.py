@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from dispatcher.config import ConfigError, config_from_dict, keys_from_dict, load_config
+from proserve.dispatcher.config import ConfigError, config_from_dict, keys_from_dict, load_config
 from dispatcher_helpers import KEYS, harness, metric, run
-from scheduler.config import default_classes
+from proserve.scheduler.config import default_classes
 
 PROMPT = list(range(1, 41))
 
@@ -377,5 +377,5 @@ def test_cli_rejects_bad_flags_with_a_message():
                        "unknown global policy 'magic'"),
                       (["--prefill", "http://a:1", "--decode", "http://b:2=tcp://c:3", "--global-param", "alpha=3"],
                        "alpha must be a number in (0, 1]")]:
-        p = subprocess.run([sys.executable, "-m", "dispatcher", *argv], capture_output=True, text=True, timeout=60)
+        p = subprocess.run([sys.executable, "-m", "proserve.dispatcher", *argv], capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and msg in p.stderr, (argv, p.stderr)

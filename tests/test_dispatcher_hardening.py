@@ -25,15 +25,15 @@ import aiohttp
 import pytest
 from dispatcher_helpers import RawConn, harness, metric, post_head, run, until
 
-from dispatcher.config import (
+from proserve.dispatcher.config import (
     ConfigError,
     DecodeSpec,
     DispatcherConfig,
     PrefillSpec,
     config_from_dict,
 )
-from dispatcher.errors import ApiError
-from dispatcher.limits import ConcurrencyLimiter
+from proserve.dispatcher.errors import ApiError
+from proserve.dispatcher.limits import ConcurrencyLimiter
 
 PROMPT = list(range(1, 41))
 KEY = "sk-high-000001"
@@ -345,7 +345,7 @@ def test_an_unstreamed_answer_holds_its_slot_until_the_client_has_it():
 
 
 def test_an_unstreamed_answer_nobody_reads_gives_its_slot_back_at_the_deadline(monkeypatch):
-    from dispatcher import server
+    from proserve.dispatcher import server
     monkeypatch.setattr(server, "ANSWER_WRITE_GRACE_S", 0.5)
 
     async def go():
@@ -498,7 +498,7 @@ def test_only_a_connect_the_worker_failed_takes_it_out():
     hit every worker at once) only fails the request."""
     from types import SimpleNamespace
 
-    from dispatcher.server import _unreachable
+    from proserve.dispatcher.server import _unreachable
     key = SimpleNamespace(host="127.0.0.1", port=1, ssl=None)
 
     def connect_error(code):
@@ -685,12 +685,12 @@ def test_new_config_keys_are_validated_and_named_in_errors(tmp_path):
             config_from_dict({**base, "dispatcher": d}, "c.toml").validate("c.toml")
         assert msg in str(e.value) and "c.toml" in str(e.value), (d, str(e.value))
     (tmp_path / "c.toml").write_text('[dispatcher]\nworker_api_key_file = "keys/w.key"\n')
-    from dispatcher.config import load_config
+    from proserve.dispatcher.config import load_config
     assert load_config(tmp_path / "c.toml").worker_api_key_file == str(tmp_path / "keys" / "w.key")
 
 
 def test_cli_flags_set_the_new_knobs(tmp_path):
-    from dispatcher.cli import build_parser, config_from_args
+    from proserve.dispatcher.cli import build_parser, config_from_args
     args = build_parser().parse_args([
         "--prefill", "http://a:1", "--decode", "http://b:2=tcp://c:3", "--max-body-mb", "2",
         "--max-concurrent", "10", "--max-concurrent-per-key", "3", "--stream-idle-timeout", "7",
@@ -709,7 +709,7 @@ def test_cli_names_a_missing_worker_key_file(tmp_path):
     import subprocess
     import sys
     missing = tmp_path / "nope.key"
-    p = subprocess.run([sys.executable, "-m", "dispatcher", "--prefill", "http://a:1", "--decode",
+    p = subprocess.run([sys.executable, "-m", "proserve.dispatcher", "--prefill", "http://a:1", "--decode",
                         "http://b:2=tcp://c:3", "--worker-key-file", str(missing)],
                        capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2 and f"worker key file {missing}: cannot read" in p.stderr, p.stderr

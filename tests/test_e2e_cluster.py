@@ -95,7 +95,7 @@ def metrics(url: str) -> dict[str, float]:
 
 def loadgen(c: Cluster, out: Path, n: int, rate: float, *extra: str, timeout: float = 900):
     return subprocess.run(
-        [sys.executable, "-m", "bench.loadgen", "--url", c.url, "--api", "proserve", "--keys", str(c.keys),
+        [sys.executable, "-m", "proserve.bench.loadgen", "--url", c.url, "--api", "proserve", "--keys", str(c.keys),
          "--num-requests", str(n), "--rate", str(rate), "--prompt-div", "4", "--output-div", "4",
          "--max-prompt", "1024", "--ttft-slo", "2", "--tpot-slo", "0.2", "--out", str(out), "--quiet", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -107,8 +107,8 @@ def test_cluster_serves_100_mixed_priority_requests_and_stops_cleanly(tmp_path):
     try:
         p = loadgen(c, tmp_path / "lg", 100, 4.0, "--stream-fraction", "0.5", "--no-plots")
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        from bench.loadgen import report_from_records
-        from scheduler.tdg import GainConfig
+        from proserve.bench.loadgen import report_from_records
+        from proserve.scheduler.tdg import GainConfig
         summary = json.loads((tmp_path / "lg" / "summary.json").read_text())
         recs = [json.loads(line) for line in (tmp_path / "lg" / "requests.jsonl").read_text().splitlines()]
         assert len(recs) == 100
@@ -197,7 +197,7 @@ def test_killed_decode_worker_fails_or_retries_its_requests_and_nothing_hangs(tm
     c = Cluster(tmp_path, decodes=2)
     try:
         lg = subprocess.Popen(
-            [sys.executable, "-m", "bench.loadgen", "--url", c.url, "--api", "proserve", "--keys", str(c.keys),
+            [sys.executable, "-m", "proserve.bench.loadgen", "--url", c.url, "--api", "proserve", "--keys", str(c.keys),
              "--num-requests", "80", "--rate", "4", "--prompt-div", "4", "--output-div", "2", "--max-prompt", "1024",
              "--out", str(tmp_path / "lg"), "--quiet", "--no-plots"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

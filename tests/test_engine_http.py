@@ -1,4 +1,4 @@
-"""The scheduler plugin behind vLLM's HTTP server (`python -m prefill --colocated`):
+"""The scheduler plugin behind vLLM's HTTP server (`python -m proserve.prefill --colocated`):
 bad per-request parameters are answered 400 before anything is queued, good
 ones are served, and the plugin's metrics are on the worker's /metrics."""
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from prefill import params, worker
-from prefill.engine_config import EngineConfig, build, check
-from scheduler.config import default_classes
-from scheduler.estimator import LatencyModel
-from scheduler.request import ConfigError
+from proserve.prefill import params, worker
+from proserve.prefill.engine_config import EngineConfig, build, check
+from proserve.scheduler.config import default_classes
+from proserve.scheduler.estimator import LatencyModel
+from proserve.scheduler.request import ConfigError
 
 CLASSES = default_classes()
 MODEL = LatencyModel(1e-9, 1e-9, 1e-5, 1e-7, 1e-4, 1e-3)

@@ -1,6 +1,6 @@
 """bench.engine_policies: the pure parts (metrics parsing, overhead, step
 statistics, the table, the workloads it replays). The benchmark itself needs
-engines and runs by hand: `flock /tmp/proserve-engine.lock python -m bench.engine_policies`."""
+engines and runs by hand: `flock /tmp/proserve-engine.lock python -m proserve.bench.engine_policies`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import engine_policies as ep
-from bench import loadgen as lg
+from proserve.bench import engine_policies as ep
+from proserve.bench import loadgen as lg
 
 METRICS = """# HELP proserve:steps_total Executed engine steps
 # TYPE proserve:steps_total counter

@@ -42,12 +42,12 @@ from pathlib import Path
 
 import pytest
 
-from prefill.engine_config import EngineConfig, build
-from prefill.params import parse
-from profiler import modelfile
-from scheduler.estimator import OnlineCorrector
-from scheduler.local.base import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.request import Request
+from proserve.prefill.engine_config import EngineConfig, build
+from proserve.prefill.params import parse
+from proserve.profiler import modelfile
+from proserve.scheduler.estimator import OnlineCorrector
+from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, InstanceView
+from proserve.scheduler.request import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = 1800
@@ -236,7 +236,7 @@ def execution_problems(rec: dict, max_batched_tokens: int) -> list[str]:
 
 @pytest.mark.vllm
 def test_engine_admits_in_slide_batching_order(tmp_path):
-    from prefill.engine_scheduler import view_from_record
+    from proserve.prefill.engine_scheduler import view_from_record
 
     model_path, model = _model()
     scs = scenarios(model)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from scheduler import BatchSample, ConfigError, Estimator, LatencyModel, OnlineCorrector
+from proserve.scheduler import BatchSample, ConfigError, Estimator, LatencyModel, OnlineCorrector
 
 TRUE = LatencyModel(a_p=2e-9, b_p=4e-9, c_p=7e-5, a_d=3.5e-7, b_d=1e-4, t_c=0.012)
 

@@ -16,9 +16,9 @@ import random
 import numpy as np
 import pytest
 
-from scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request
-from scheduler.cost import StepCosts
-from scheduler.estimator import SCALE, SCALE_OFFSET, OnlineCorrector
+from proserve.scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request
+from proserve.scheduler.cost import StepCosts
+from proserve.scheduler.estimator import SCALE, SCALE_OFFSET, OnlineCorrector
 
 MODEL = LatencyModel(a_p=1e-8, b_p=2e-9, c_p=5e-5, a_d=2e-7, b_d=1e-4, t_c=2e-3)
 SLOWDOWN_AT = 200     # steps of the unchanged engine before the slowdown
@@ -233,13 +233,13 @@ def test_estimator_observe_time_fits_the_offset():
 def test_go_routing_queue_estimate_charges_the_offset_per_queued_step():
     """ESTIMATEEXEC (disaggregated: one request per step) is Σ corrected(exec + t_c), and the
     incremental Δ still equals the reference ESTIMATEGAIN difference, at any β and δ."""
-    from scheduler.routing.base import (
+    from proserve.scheduler.routing.base import (
         COLOCATED,
         DISAGGREGATED,
         PrefillInstance,
         PrefillQueueMap,
     )
-    from scheduler.routing.estimates import estimate_exec, estimate_gain, evaluate
+    from proserve.scheduler.routing.estimates import estimate_exec, estimate_gain, evaluate
 
     gain = GainConfig()
     rnd = random.Random(5)
@@ -266,7 +266,7 @@ def test_go_routing_queue_estimate_charges_the_offset_per_queued_step():
 
 
 def test_slos_serve_time2bs_takes_the_offset_off_the_budget():
-    from scheduler import make_local
+    from proserve.scheduler import make_local
 
     est = Estimator(MODEL)
     pol = make_local("slos_serve", est, GainConfig())
@@ -284,8 +284,8 @@ def test_simulator_true_model_with_a_fixed_per_step_cost(fast_forward):
     """--true-latency-model = the profile + 5 ms per step: the estimators find β ≈ 1, δ ≈ 5 ms,
     also when the simulator observes a run of decode steps at once (fast-forward: δ counts once
     per step of the run)."""
-    from scheduler import default_classes
-    from sim.cluster import SimConfig, Simulator
+    from proserve.scheduler import default_classes
+    from proserve.sim.cluster import SimConfig, Simulator
 
     slower = LatencyModel(**{**{k: getattr(MODEL, k) for k in ("a_p", "b_p", "c_p", "a_d", "b_d")},
                              "t_c": MODEL.t_c + FIXED})
@@ -302,7 +302,7 @@ def test_simulator_true_model_with_a_fixed_per_step_cost(fast_forward):
 # -- the knob, what the worker reports, what the dispatcher reads ---------------------------------
 
 def test_engine_config_selects_the_correction():
-    from prefill.engine_config import EngineConfig, build
+    from proserve.prefill.engine_config import EngineConfig, build
 
     assert build(EngineConfig.from_dict({}), model=MODEL).estimator.corrector.mode == SCALE_OFFSET
     assert build(EngineConfig.from_dict({"correction": "scale"}), model=MODEL).estimator.corrector.mode == SCALE
@@ -311,7 +311,7 @@ def test_engine_config_selects_the_correction():
 
 
 def test_worker_flag_sets_the_correction():
-    from prefill import worker
+    from proserve.prefill import worker
 
     args = worker.build_parser("prefill").parse_args(["--correction", "scale"])
     cfg, _ = worker.scheduling_config("prefill", args)
@@ -326,7 +326,7 @@ def test_worker_metrics_report_the_offset():
     pytest.importorskip("prometheus_client")
     from prometheus_client import REGISTRY
 
-    from prefill import sched_metrics
+    from proserve.prefill import sched_metrics
 
     est = Estimator(MODEL)
     m = sched_metrics.for_policy("test-offset", est)
@@ -339,7 +339,7 @@ def test_worker_metrics_report_the_offset():
 
 def test_dispatcher_reads_scale_and_offset_and_rejects_bad_values():
     pytest.importorskip("aiohttp")
-    from dispatcher.instances import correction_of
+    from proserve.dispatcher.instances import correction_of
 
     page = ('# HELP proserve:beta ...\nproserve:beta{policy="slide_batching"} 1.25\n'
             'proserve:step_offset_seconds{policy="slide_batching"} 0.0042\nvllm:x 1\n')

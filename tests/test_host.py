@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from profiler.modelfile import BUNDLED, load
-from scheduler import Estimator, OnlineCorrector, Request, make_global, make_local
-from scheduler.host import LocalHost, RouterHost, ViewOrder
-from scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView
-from scheduler.routing.base import PrefillInstance
+from proserve.profiler.modelfile import BUNDLED, load
+from proserve.scheduler import Estimator, OnlineCorrector, Request, make_global, make_local
+from proserve.scheduler.host import LocalHost, RouterHost, ViewOrder
+from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView
+from proserve.scheduler.routing.base import PrefillInstance
 
 MODEL = load(BUNDLED)
 

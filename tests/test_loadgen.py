@@ -23,11 +23,11 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from bench import loadgen as lg  # noqa: E402
-from bench.traces import TraceRecord  # noqa: E402
-from scheduler.config import default_classes  # noqa: E402
-from scheduler.request import ConfigError, Phase, Request  # noqa: E402
-from scheduler.tdg import GainConfig, summarize  # noqa: E402
+from proserve.bench import loadgen as lg  # noqa: E402
+from proserve.bench.traces import TraceRecord  # noqa: E402
+from proserve.scheduler.config import default_classes  # noqa: E402
+from proserve.scheduler.request import ConfigError, Phase, Request  # noqa: E402
+from proserve.scheduler.tdg import GainConfig, summarize  # noqa: E402
 
 
 def req(i=0, priority="high", arrival=0.0, prompt=10, output=4, ttft=1.0, tpot=0.1):
@@ -536,7 +536,7 @@ def test_parse_response_unstreamed():
 
 
 def test_replay_unstreamed_tokens_stamped_at_response():
-    from bench.fake_worker import FakeWorker
+    from proserve.bench.fake_worker import FakeWorker
     reqs = [req(i, "high" if i % 2 else "low", arrival=0.05 * i, output=6) for i in range(8)]
 
     async def go():
@@ -605,7 +605,7 @@ def test_replay_proserve_sends_priority_slo_and_class_keys():
 
 
 def _run_cli_against_fake_worker(argv, decode_s=0.001):
-    from bench.fake_worker import FakeWorker
+    from proserve.bench.fake_worker import FakeWorker
 
     async def go():
         w = await FakeWorker(decode_s=decode_s, keep_bodies=False).start()

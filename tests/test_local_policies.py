@@ -24,7 +24,7 @@ import random
 
 import pytest
 
-from scheduler import (
+from proserve.scheduler import (
     ConfigError,
     Estimator,
     LatencyModel,
@@ -32,8 +32,8 @@ from scheduler import (
     make_local,
     registry,
 )
-from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.local.base import blocks_for
+from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
+from proserve.scheduler.local.base import blocks_for
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=1e-2)
 TTFT, TPOT = 1.0, 0.1

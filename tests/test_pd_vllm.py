@@ -174,7 +174,7 @@ def test_dead_decode_frees_prefill_blocks_and_prefill_keeps_serving(cluster):
 
 
 def _metric(url: str, name: str, *must: str) -> float:
-    from bench.local_cluster import metric_sum, metrics
+    from proserve.bench.local_cluster import metric_sum, metrics
     return metric_sum(metrics(url), name, *must)
 
 
@@ -208,6 +208,6 @@ def test_bad_transfer_params_do_not_break_the_engine(cluster):
 
 
 def test_decode_worker_reports_free_kv_blocks(cluster):
-    from decode.status import fetch_free_kv_blocks
+    from proserve.decode.status import fetch_free_kv_blocks
     free = fetch_free_kv_blocks(cluster["decode"].url)
     assert free > 0

@@ -19,15 +19,15 @@ import time
 
 import pytest
 
-from scheduler import ConfigError, Estimator, LatencyModel, Request, make_global, make_local
-from scheduler.estimator import OnlineCorrector
-from scheduler.alternatives.jitserve.length_bound import LengthBound
-from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.alternatives.jitserve.gmax import achievable_goodput, gmax_select
-from scheduler.alternatives.jitserve.metrics import on_time_tokens, token_goodput
-from scheduler.request import Phase
-from scheduler.routing.base import DecodeInstance, PrefillInstance, PrefillQueueMap
-from scheduler.tdg import GainConfig as _G  # TDG, for the comparison with JITServe goodput
+from proserve.scheduler import ConfigError, Estimator, LatencyModel, Request, make_global, make_local
+from proserve.scheduler.estimator import OnlineCorrector
+from proserve.scheduler.alternatives.jitserve.length_bound import LengthBound
+from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
+from proserve.scheduler.alternatives.jitserve.gmax import achievable_goodput, gmax_select
+from proserve.scheduler.alternatives.jitserve.metrics import on_time_tokens, token_goodput
+from proserve.scheduler.request import Phase
+from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance, PrefillQueueMap
+from proserve.scheduler.tdg import GainConfig as _G  # TDG, for the comparison with JITServe goodput
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=1e-2)
 TTFT, TPOT = 1.0, 0.1
@@ -443,7 +443,7 @@ def test_power_of_k_learns_lengths():
 
 @pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
 def test_simulator_runs_gmax_and_power_of_k_and_feeds_the_length_bound(deployment):
-    from sim.cluster import SimConfig, Simulator
+    from proserve.sim.cluster import SimConfig, Simulator
     rng = random.Random(7)
     reqs = []
     t = 0.0

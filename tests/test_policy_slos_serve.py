@@ -20,13 +20,13 @@ import random
 
 import pytest
 
-from scheduler import (ConfigError, Estimator, GainConfig, LatencyModel, Phase, PriorityClass, Request, make_global,
+from proserve.scheduler import (ConfigError, Estimator, GainConfig, LatencyModel, Phase, PriorityClass, Request, make_global,
                        make_local)
-from scheduler.estimator import BatchSample
-from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.alternatives.slos_serve import metrics as pm
-from scheduler.routing.base import PrefillInstance, PrefillQueueMap
-from scheduler.alternatives.slos_serve.model import (Job, Roofline, admit_dp, decode_tokens, feasible_alone, greedy_admit,
+from proserve.scheduler.estimator import BatchSample
+from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
+from proserve.scheduler.alternatives.slos_serve import metrics as pm
+from proserve.scheduler.routing.base import PrefillInstance, PrefillQueueMap
+from proserve.scheduler.alternatives.slos_serve.model import (Job, Roofline, admit_dp, decode_tokens, feasible_alone, greedy_admit,
                                         samples_from_batches)
 
 FIG3 = LatencyModel(a_p=0.0, b_p=0.0, c_p=1 / 6, a_d=0.0, b_d=1 / 6, t_c=0.0)
@@ -78,7 +78,7 @@ def test_roofline_from_the_estimators_model_tracks_eq5_7():
     quadratic a_p term, which two lines can only approximate): within 2.5 % of the model
     over the default fit range (0.4 s), and its Time2BS within 2 % of GETMAXCHUNK's
     answer for the same batch time. Fitting over 1 s instead costs accuracy here."""
-    from profiler.modelfile import BUNDLED, load
+    from proserve.profiler.modelfile import BUNDLED, load
 
     m = load(BUNDLED)
     est = Estimator(m)
@@ -279,7 +279,7 @@ def test_figure3_in_the_simulator():
     token deadline (the §3.2 line); the fourth is served best-effort and finishes.
     The burst arrives 0.1 s before a planning point with TTFT 6.1, so its prefill
     deadline is six units after the decision, as in Figure 3."""
-    from sim.cluster import SimConfig, Simulator
+    from proserve.sim.cluster import SimConfig, Simulator
 
     classes = {"x": PriorityClass("x", 1.0, 6.1, 1.0)}
     old = [Request(f"old{i}", "x", 1.0, 6.1, 1.0, -6.0, 6, 30) for i in range(3)]
@@ -401,9 +401,9 @@ def test_mem_growth_horizon_counts_only_the_planned_growth():
 
 
 def test_overload_declines_but_every_request_finishes():
-    from bench.workloads import build_workload
-    from profiler.modelfile import BUNDLED, load
-    from sim.cluster import SimConfig, simulate
+    from proserve.bench.workloads import build_workload
+    from proserve.profiler.modelfile import BUNDLED, load
+    from proserve.sim.cluster import SimConfig, simulate
 
     reqs = build_workload("bench/data/azure_conv_2023.csv", rate=8.0, num_requests=300, seed=1, fmt="azure")
     res = simulate(reqs, load(BUNDLED), SimConfig(local_policy="slos_serve", global_policy="round_robin",
@@ -575,9 +575,9 @@ def test_routing_parameters_are_validated():
 
 
 def test_routing_in_the_simulator_colocated():
-    from bench.workloads import build_workload
-    from profiler.modelfile import BUNDLED, load
-    from sim.cluster import SimConfig, simulate
+    from proserve.bench.workloads import build_workload
+    from proserve.profiler.modelfile import BUNDLED, load
+    from proserve.sim.cluster import SimConfig, simulate
 
     reqs = build_workload("bench/data/azure_conv_2023.csv", rate=8.0, num_requests=200, seed=0, fmt="azure")
     res = simulate(reqs, load(BUNDLED), SimConfig(instances=2, local_policy="slos_serve",

@@ -17,11 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from scheduler import ConfigError, Estimator, LatencyModel, Request, local_names, make_local
-from scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from scheduler.alternatives.uniboost.metrics import p99_ttlt, ttlt, ttlt_stats
-from scheduler.request import Phase
-from scheduler.alternatives.uniboost.bins import (LN5, LN_99_95, TailGamma, boost, empirical_quantile, next_threshold,
+from proserve.scheduler import ConfigError, Estimator, LatencyModel, Request, local_names, make_local
+from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
+from proserve.scheduler.alternatives.uniboost.metrics import p99_ttlt, ttlt, ttlt_stats
+from proserve.scheduler.request import Phase
+from proserve.scheduler.alternatives.uniboost.bins import (LN5, LN_99_95, TailGamma, boost, empirical_quantile, next_threshold,
                                      percentile, quantize, revision_bound)
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=1e-2)
@@ -504,9 +504,9 @@ def test_schedule_with_1000_queued_requests_is_fast():
 # -- in the simulator ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
 def test_simulator_runs_uniboost_and_feeds_gamma(deployment):
-    from bench.workloads import build_workload
-    from profiler.modelfile import BUNDLED, load
-    from sim.cluster import SimConfig, Simulator
+    from proserve.bench.workloads import build_workload
+    from proserve.profiler.modelfile import BUNDLED, load
+    from proserve.sim.cluster import SimConfig, Simulator
 
     reqs = build_workload("bench/data/azure_conv_2023.csv", rate=4.0, num_requests=300, seed=0, fmt="azure")
     sim = Simulator(load(BUNDLED), SimConfig(deployment=deployment, local_policy="uniboost",

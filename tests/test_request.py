@@ -5,8 +5,8 @@ plugin (mirroring vLLM's counters, tokens reported in bulk, the end) and the dis
 
 import pytest
 
-from scheduler import Request
-from scheduler.request import Phase
+from proserve.scheduler import Request
+from proserve.scheduler.request import Phase
 
 
 def req(prompt=40, output=4):

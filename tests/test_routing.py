@@ -13,13 +13,13 @@ import random
 
 import pytest
 
-from scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request, make_global
-from scheduler.config import default_classes
-from scheduler.registry import global_names
-from scheduler.routing.base import (COLOCATED, DISAGGREGATED, DecodeInstance, PrefillInstance,
+from proserve.scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request, make_global
+from proserve.scheduler.config import default_classes
+from proserve.scheduler.registry import global_names
+from proserve.scheduler.routing.base import (COLOCATED, DISAGGREGATED, DecodeInstance, PrefillInstance,
                                     PrefillQueueMap)
-from scheduler.routing.estimates import estimate_exec, estimate_gain, evaluate
-from scheduler.routing.go_routing import GoRouting
+from proserve.scheduler.routing.estimates import estimate_exec, estimate_gain, evaluate
+from proserve.scheduler.routing.go_routing import GoRouting
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=0.01)
 GAIN = GainConfig()
@@ -418,8 +418,8 @@ def test_valid_edge_params():
 
 
 def test_fallback_variant_picks_least_loaded_when_no_instance_meets_the_slo():
-    from scheduler import Estimator, LatencyModel, Request, make_global
-    from scheduler.routing.base import PrefillInstance, PrefillQueueMap
+    from proserve.scheduler import Estimator, LatencyModel, Request, make_global
+    from proserve.scheduler.routing.base import PrefillInstance, PrefillQueueMap
 
     m = LatencyModel(a_p=0, b_p=0, c_p=1e-3, a_d=0, b_d=1e-3, t_c=0.01)
     insts = [PrefillInstance(i, Estimator(m)) for i in range(3)]

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from bench.workloads import build_workload
-from profiler.modelfile import BUNDLED, load
-from scheduler import (
+from proserve.bench.workloads import build_workload
+from proserve.profiler.modelfile import BUNDLED, load
+from proserve.scheduler import (
     ConfigError,
     GainConfig,
     LatencyModel,
@@ -17,8 +17,8 @@ from scheduler import (
     local_names,
     summarize,
 )
-from scheduler.request import Phase
-from sim.cluster import SimConfig, simulate
+from proserve.scheduler.request import Phase
+from proserve.sim.cluster import SimConfig, simulate
 
 MODEL = load(BUNDLED)
 TRACE = "bench/data/azure_conv_2023.csv"
@@ -195,7 +195,7 @@ def test_empty_workload_is_rejected():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "sim", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "proserve.sim", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -260,8 +260,8 @@ def test_decode_backpressure_stalls_prefill_without_failing():
 def test_policies_hear_of_every_finished_request_once(deployment, monkeypatch):
     """on_request_finished reaches the prefilling instance's policy and the router,
     once per request, at its last token's time (policies that learn lengths need it)."""
-    from scheduler.local.slide_batching import SlideBatching
-    from scheduler.baselines.round_robin import RoundRobin
+    from proserve.scheduler.local.slide_batching import SlideBatching
+    from proserve.scheduler.baselines.round_robin import RoundRobin
     seen_local, seen_global = [], []
     monkeypatch.setattr(SlideBatching, "on_request_finished",
                         lambda self, r, now: seen_local.append((r.id, now, r.num_emitted)), raising=False)

@@ -1,4 +1,4 @@
-"""The capacity planner (sim/plan.py, ``python -m sim plan``): target parsing, the
+"""The capacity planner (sim/plan.py, ``python -m proserve.sim plan``): target parsing, the
 searches on a stand-in simulator whose capacity is known exactly, the same searches
 on the real simulator with a small synthetic workload, the progress bar and the CLI.
 
@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from scheduler.request import ConfigError
-from sim import plan as pl
-from sim.__main__ import RunSpec, main, run_spec
-from sim.cluster import SimConfig
+from proserve.scheduler.request import ConfigError
+from proserve.sim import plan as pl
+from proserve.sim.__main__ import RunSpec, main, run_spec
+from proserve.sim.cluster import SimConfig
 
 CLASSES = ("high", "low")
 
@@ -291,7 +291,7 @@ def test_cli_plan_errors_exit_2_with_a_message(capsys, argv, says):
 
 
 def test_cli_plan_with_ttft_slo_override_reaches_the_workload():
-    from sim.__main__ import _spec_from, build_parser
+    from proserve.sim.__main__ import _spec_from, build_parser
     args = build_parser().parse_args(["plan", "--rate", "1", "--target", "high:tdg>=0.9", "--ttft-slo", "0.5",
                                       "--tpot-slo", "0.05"])
     spec = _spec_from(args, args.local, args.glob, args.rate, 0)
@@ -302,8 +302,8 @@ def test_cli_plan_with_ttft_slo_override_reaches_the_workload():
 def test_shaped_workload_is_the_load_generators():
     """--prompt-div/--output-div/--max-model-len build what bench.loadgen (and bench.engine_policies)
     send to the real CPU cluster, so a plan can be checked against it request for request."""
-    from bench.loadgen.workload import make_workload
-    from sim.__main__ import _spec_from, _workload, build_parser
+    from proserve.bench.loadgen.workload import make_workload
+    from proserve.sim.__main__ import _spec_from, _workload, build_parser
     args = build_parser().parse_args(["plan", "--rate", "8", "--target", "high:tdg>=0.9", "--num-requests", "60",
                                       "--prompt-div", "4", "--output-div", "4", "--max-model-len", "2048",
                                       "--ttft-slo", "0.5", "--tpot-slo", "0.05"])

@@ -7,19 +7,19 @@ import itertools
 
 import pytest
 
-from bench.traces import TraceRecord, load_trace
-from bench.workloads import (
+from proserve.bench.traces import TraceRecord, load_trace
+from proserve.bench.workloads import (
     build_workload,
     iter_tagged,
     repeat_arrivals,
     scale_to_rate,
     tag_priorities,
 )
-from profiler.modelfile import BUNDLED, load
-from scheduler import ConfigError, GainConfig, Request, summarize
-from sim.cluster import SimConfig, simulate
-from sim.report import MetricsAccumulator
-from sim.stream import simulate_stream
+from proserve.profiler.modelfile import BUNDLED, load
+from proserve.scheduler import ConfigError, GainConfig, Request, summarize
+from proserve.sim.cluster import SimConfig, simulate
+from proserve.sim.report import MetricsAccumulator
+from proserve.sim.stream import simulate_stream
 
 MODEL = load(BUNDLED)
 TRACE = "bench/data/azure_conv_2023.csv"

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from scheduler import ConfigError, GainConfig, summarize
-from scheduler.tdg import slo_attained
+from proserve.scheduler import ConfigError, GainConfig, summarize
+from proserve.scheduler.tdg import slo_attained
 
 
 def test_eq3_token_weights_and_deadlines(make_req):

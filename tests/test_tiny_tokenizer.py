@@ -110,7 +110,7 @@ def test_script_rejects_config_it_cannot_serve(tmp_path):
 
 
 def test_worker_uses_the_tokenizer_by_default():
-    from prefill import worker
+    from proserve.prefill import worker
 
     def argv(*flags):
         return worker.vllm_argv("prefill", worker.build_parser("prefill").parse_args(list(flags)))[0]
@@ -122,7 +122,7 @@ def test_worker_uses_the_tokenizer_by_default():
 
 def test_package_data_ships_the_tokenizer():
     tomllib = pytest.importorskip("tomllib")     # Python 3.11+
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["prefill"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["proserve.prefill"]
     pkg = ROOT / "prefill"
     shipped = {p for pat in patterns for p in pkg.glob(pat)}
     for name in ("config.json", *FILES):

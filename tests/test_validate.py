@@ -7,8 +7,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from scheduler import validate
-from scheduler.request import ConfigError
+from proserve.scheduler import validate
+from proserve.scheduler.request import ConfigError
 
 
 @pytest.mark.parametrize("call, message", [

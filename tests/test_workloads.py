@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import (
+from proserve.bench import (
     LengthDist, TraceError, TraceRecord, assign_arrivals, build_workload, fit_to_context,
     load_azure, load_burstgpt, load_mooncake, load_sharegpt, load_trace, poisson_arrivals,
     scale_to_rate, sniff_format, synthetic, tag_priorities,
 )
-from scheduler.config import default_classes
-from scheduler.request import ConfigError, PriorityClass, Request
+from proserve.scheduler.config import default_classes
+from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
 # the copy bundled with the package (bench/data), identical to the shared one
 AZURE = Path(__file__).resolve().parents[1] / "bench" / "data" / "azure_conv_2023.csv"
@@ -464,7 +464,7 @@ def test_fit_to_context(caplog):
     out, changed = fit_to_context(recs, 1024)
     assert changed == 2
     assert [(r.prompt_len, r.output_len) for r in out] == [(100, 50), (100, 924), (1023, 1), (1023, 1)]
-    with caplog.at_level("WARNING", logger="bench.workloads"):
+    with caplog.at_level("WARNING", logger="proserve.bench.workloads"):
         reqs = tag_priorities(recs, max_model_len=1024)
     assert max(r.prompt_len + r.output_len for r in reqs) == 1024
     assert "2 of 4 requests exceeded max_model_len=1024" in caplog.text

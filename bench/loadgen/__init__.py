@@ -1,24 +1,24 @@
 """HTTP load generator: replay a workload against an OpenAI-compatible
 ``/v1/completions`` endpoint and score it with the simulator's metrics.
 
-    python -m bench.loadgen --url http://127.0.0.1:8100 --rate 2 --num-requests 200 --out out/lg
-    python -m bench.loadgen --api proserve --keys keys.toml --url http://127.0.0.1:8000 \
+    python -m proserve.bench.loadgen --url http://127.0.0.1:8100 --rate 2 --num-requests 200 --out out/lg
+    python -m proserve.bench.loadgen --api proserve --keys keys.toml --url http://127.0.0.1:8000 \
         --rate 4 --arrivals poisson --stream-fraction 0.5 --out out/lg-proserve
-    python -m bench.loadgen --from-records out/lg/requests.jsonl      # re-score a run, no sends
+    python -m proserve.bench.loadgen --from-records out/lg/requests.jsonl      # re-score a run, no sends
 
 What one run does:
 
 1. **Workload** (:func:`make_workload`): the same pipeline as the simulator
-   (:func:`bench.workloads.build_workload`) — trace (bundled Azure
+   (:func:`proserve.bench.workloads.build_workload`) — trace (bundled Azure
    conversation trace by default; BurstGPT, Mooncake, ShareGPT files, or
    ``synthetic``), first ``--num-requests`` rows, arrivals, seeded 50/50
-   :func:`~bench.workloads.tag_priorities` with the class SLOs — plus an
+   :func:`~proserve.bench.workloads.tag_priorities` with the class SLOs — plus an
    optional length shaping step (:func:`shape_lengths`: divide prompt / output
    lengths, clip prompts) for engines much faster or slower than the trace's.
    Arrivals (``--arrivals``): ``trace`` (default) keeps the trace's timestamps,
-   scaled to ``--rate`` with :func:`~bench.workloads.scale_to_rate`;
+   scaled to ``--rate`` with :func:`~proserve.bench.workloads.scale_to_rate`;
    ``poisson`` replaces them with exponential gaps of mean ``1/--rate``
-   (:func:`~bench.workloads.poisson_arrivals`, seeded by ``--seed``), the
+   (:func:`~proserve.bench.workloads.poisson_arrivals`, seeded by ``--seed``), the
    lengths still coming from the trace rows in order.
 2. **Prompts**: random token ids in ``[--token-low, --vocab)`` of each
    request's prompt length, seeded per request (request ``r7`` gets the same
@@ -38,7 +38,7 @@ What one run does:
      Unix seconds, so the engine's deadlines count from the same instant as
      the client's; ``--no-xargs`` leaves them out (stock vLLM scheduling, the
      same client). ``--api-key`` is sent with every request.
-   * ``proserve`` (the ProServe dispatcher, :mod:`dispatcher`):
+   * ``proserve`` (the ProServe dispatcher, :mod:`proserve.dispatcher`):
      ``"priority": "<class>"`` and ``"slo": {"ttft_ms": ..., "tpot_ms": ...}``
      (the class's SLOs), no ``vllm_xargs`` (the dispatcher sets them), and
      the class's API key as ``Authorization: Bearer KEY``: ``--class-key
@@ -68,10 +68,10 @@ What one run does:
    the same request gets HTTP 400. Nothing is dropped: errors
    are counted per class in the summary. Malformed SSE data lines are counted
    per request; they make the request an error only if tokens went missing.
-6. **Metrics**: results become :class:`scheduler.request.Request` objects
+6. **Metrics**: results become :class:`proserve.scheduler.request.Request` objects
    (:func:`to_request`; arrival = scheduled send time, token times on the same
-   clock) scored by :func:`scheduler.tdg.summarize` with
-   :meth:`~scheduler.tdg.GainConfig.from_workload` weights — the very code the
+   clock) scored by :func:`proserve.scheduler.tdg.summarize` with
+   :meth:`~proserve.scheduler.tdg.GainConfig.from_workload` weights — the very code the
    simulator's tables use. A request that ended in an error keeps the tokens
    it got (they count for TDG if on time) but is not finished, so it fails
    its SLO.
@@ -102,15 +102,15 @@ Times: the run clock is ``time.perf_counter()`` minus the run start; ``arrival``
 and ``token_times`` in the JSONL are seconds from the run start, and the
 summary records the run start in Unix seconds.
 
-Modules (everything public is re-exported here, so ``bench.loadgen.X`` works):
+Modules (everything public is re-exported here, so ``proserve.bench.loadgen.X`` works):
 
-* :mod:`bench.loadgen.workload` — workload, prompt tokens, stream picks (steps 1-2)
-* :mod:`bench.loadgen.body`     — :class:`ClientConfig`, request bodies, API keys (step 3)
-* :mod:`bench.loadgen.sse`      — SSE parser, stream chunks, unstreamed responses (step 4)
-* :mod:`bench.loadgen.scoring`  — :class:`Result`, :func:`to_request`, the summary (steps 5-6)
-* :mod:`bench.loadgen.client`   — sending: :func:`replay`, stall watch (steps 3-4)
-* :mod:`bench.loadgen.report`   — table, output files, re-scoring, plots, progress (step 7)
-* :mod:`bench.loadgen.cli`      — the command line, :func:`main`
+* :mod:`proserve.bench.loadgen.workload` — workload, prompt tokens, stream picks (steps 1-2)
+* :mod:`proserve.bench.loadgen.body`     — :class:`ClientConfig`, request bodies, API keys (step 3)
+* :mod:`proserve.bench.loadgen.sse`      — SSE parser, stream chunks, unstreamed responses (step 4)
+* :mod:`proserve.bench.loadgen.scoring`  — :class:`Result`, :func:`to_request`, the summary (steps 5-6)
+* :mod:`proserve.bench.loadgen.client`   — sending: :func:`replay`, stall watch (steps 3-4)
+* :mod:`proserve.bench.loadgen.report`   — table, output files, re-scoring, plots, progress (step 7)
+* :mod:`proserve.bench.loadgen.cli`      — the command line, :func:`main`
 """
 
 from .body import (

@@ -1,4 +1,4 @@
-"""``python -m bench.loadgen``: runs :func:`bench.loadgen.cli.main` and exits with its status."""
+"""``python -m proserve.bench.loadgen``: runs :func:`proserve.bench.loadgen.cli.main` and exits with its status."""
 
 import sys
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from dispatcher.config import read_file
-from scheduler import validate
-from scheduler.request import ConfigError, Request
+from proserve.dispatcher.config import read_file
+from proserve.scheduler import validate
+from proserve.scheduler.request import ConfigError, Request
 
 from .workload import DEFAULT_TOKEN_LOW, DEFAULT_VOCAB
 
@@ -95,7 +95,7 @@ def api_url(base: str, path: str) -> str:
 
 def request_body(req: Request, prompt: list[int], model: str, cfg: ClientConfig,
                  arrival_unix: float | None = None, stream: bool = True) -> dict:
-    """One request's JSON body (see the :mod:`bench.loadgen` docstring, step 3)."""
+    """One request's JSON body (see the :mod:`proserve.bench.loadgen` docstring, step 3)."""
     body: dict[str, Any] = {
         "model": model, "prompt": prompt, "max_tokens": req.output_len, "ignore_eos": True,
         "temperature": 0.0, "stream": bool(stream),

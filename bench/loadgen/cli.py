@@ -1,4 +1,4 @@
-"""The command line (``python -m bench.loadgen``): the argument parser, the
+"""The command line (``python -m proserve.bench.loadgen``): the argument parser, the
 client settings, classes and workload from the flags, and :func:`main`."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from scheduler import validate
-from scheduler.config import classes_from_dicts, default_classes
-from scheduler.request import ConfigError, PriorityClass, Request
+from proserve.scheduler import validate
+from proserve.scheduler.config import classes_from_dicts, default_classes
+from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
 from .body import APIS, ClientConfig, deep_merge, parse_class_keys
 from .client import replay
@@ -85,7 +85,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.loadgen",
+        prog="python -m proserve.bench.loadgen",
         description="Replay a workload (Azure, BurstGPT, Mooncake, ShareGPT or synthetic) against an "
                     "OpenAI-compatible /v1/completions endpoint — a plain vLLM server, a ProServe worker, "
                     "or the ProServe dispatcher (--api proserve) — streaming and timestamping every "

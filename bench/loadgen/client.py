@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from scheduler.request import ConfigError, Request
+from proserve.scheduler.request import ConfigError, Request
 
 from .body import ClientConfig, api_url, request_body
 from .scoring import STALL_S, Result

@@ -14,8 +14,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from scheduler.request import ConfigError, Request
-from scheduler.tdg import GainConfig
+from proserve.scheduler.request import ConfigError, Request
+from proserve.scheduler.tdg import GainConfig
 
 from .client import Run
 from .scoring import STALL_S, Result, result_records, summarize_run

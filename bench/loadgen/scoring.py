@@ -1,5 +1,5 @@
 """Scoring: how each request ended (:class:`Result`), results as
-:class:`scheduler.request.Request` objects for :func:`scheduler.tdg.summarize`
+:class:`proserve.scheduler.request.Request` objects for :func:`proserve.scheduler.tdg.summarize`
 (:func:`to_request`), error counts, the run's summary (:func:`summarize_run`) and
 the per-request records of ``requests.jsonl`` (:func:`result_records`)."""
 
@@ -10,8 +10,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from scheduler.request import Phase, Request
-from scheduler.tdg import GainConfig, slo_attained, summarize
+from proserve.scheduler.request import Phase, Request
+from proserve.scheduler.tdg import GainConfig, slo_attained, summarize
 
 #: an event-loop stall longer than this is recorded: the client itself was late, so
 #: send times and token timestamps around it are the client's, not the server's
@@ -59,7 +59,7 @@ class Result:
 
 
 def to_request(req: Request, res: Result) -> Request:
-    """The workload request with the measured token times, for :func:`scheduler.tdg.summarize`.
+    """The workload request with the measured token times, for :func:`proserve.scheduler.tdg.summarize`.
 
     Arrival is the scheduled send time on the run clock. A request that ended
     in an error keeps the tokens it got but is not finished (it fails its SLO

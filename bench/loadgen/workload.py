@@ -12,9 +12,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from scheduler import validate
-from scheduler.request import ConfigError, PriorityClass, Request
-from scheduler.tdg import GainConfig
+from proserve.scheduler import validate
+from proserve.scheduler.request import ConfigError, PriorityClass, Request
+from proserve.scheduler.tdg import GainConfig
 
 from ..traces import TraceRecord, load_trace
 from ..workloads import poisson_arrivals, scale_to_rate, synthetic, tag_priorities
@@ -53,7 +53,7 @@ def make_workload(trace: str = "azure", rate: float | None = None, num_requests:
                   fmt: str | None = None, prompt_div: float = 1.0, output_div: float = 1.0,
                   max_prompt: int | None = None, max_model_len: int | None = None,
                   arrivals: str = "trace") -> list[Request]:
-    """The simulator's pipeline (:func:`bench.workloads.build_workload`) with
+    """The simulator's pipeline (:func:`proserve.bench.workloads.build_workload`) with
     :func:`shape_lengths` between rate scaling and priority tagging.
 
     ``trace``: ``"azure"`` (bundled), ``"synthetic"`` (default lengths, Poisson

@@ -2,7 +2,7 @@
 
 The load is ESTIMATEEXEC(p) exactly as GoRouting computes it (φ_p with
 timestamp lag compensation; φ_a with the decode load ``n_d·b_d`` when
-co-located; :mod:`scheduler.routing.estimates`), so a comparison of the two
+co-located; :mod:`proserve.scheduler.routing.estimates`), so a comparison of the two
 isolates GoRouting's gain candidates and dual thresholds from the quality of
 the load estimate. Ties go to the lowest instance id.
 """

@@ -1,6 +1,6 @@
 """Local (engine-level) batch policies: SlideBatching and its ablations (§5.4).
-The baselines are in :mod:`scheduler.baselines`, other papers' policies in
-:mod:`scheduler.alternatives`. Importing this package registers these by name."""
+The baselines are in :mod:`proserve.scheduler.baselines`, other papers' policies in
+:mod:`proserve.scheduler.alternatives`. Importing this package registers these by name."""
 
 import importlib
 import pkgutil

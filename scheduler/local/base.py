@@ -11,7 +11,7 @@ Policies never mutate request state; what they compute about each request in a
 step stays with the policy (``BatchPlan.terms`` shows it); the body applies
 the plan through the ``Request`` methods. What every body does around a plan
 (the view with its admission reserve, the tokens each request runs, β, the
-policy's notifications) is :class:`scheduler.host.LocalHost`.
+policy's notifications) is :class:`proserve.scheduler.host.LocalHost`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Global (service-level) routing: GoRouting (Algorithm 2), the interface every
 router implements and the PrefillQueueMap estimates. The baselines are in
-:mod:`scheduler.baselines`, other papers' routers in :mod:`scheduler.alternatives`.
+:mod:`proserve.scheduler.baselines`, other papers' routers in :mod:`proserve.scheduler.alternatives`.
 Importing this package registers GoRouting by name."""
 
 import importlib

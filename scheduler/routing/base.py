@@ -10,7 +10,7 @@ free KV blocks.
 
 Bodies (the simulator, the dispatcher) do not call :class:`PrefillQueueMap`
 themselves: they report events (dispatched, prefill finished, requeued,
-released, finished) to :class:`scheduler.host.RouterHost`, which moves the map.
+released, finished) to :class:`proserve.scheduler.host.RouterHost`, which moves the map.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For each prefill (or co-located) instance ``p``:
 1. ``Δ_p = ESTIMATEGAIN(Q ∪ {req}) − ESTIMATEGAIN(Q)`` (lines 2-7), with the
    φ_p-based estimate on prefill-only instances and the φ_a-based one (Eq. 8,
    plus the decode load ``n_d·b_d``) on co-located instances; see
-   :mod:`scheduler.routing.estimates`;
+   :mod:`proserve.scheduler.routing.estimates`;
 2. candidates ``C = {p : Δ_p ≥ α·Δ_max}`` (line 8);
 3. if ``Δ_max > 0`` (some instance meets req's TTFT SLO): light set
    ``L = {p ∈ C : ESTIMATEEXEC(p) < μ·TTFT_SLO}``, heavy set

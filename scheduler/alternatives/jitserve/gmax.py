@@ -8,7 +8,7 @@ Request Analyzer (Alg. 1 lines 2-6), for every queued request ``r``:
 
 * ``len_rem(r)``: upper bound of the tokens still to come, refined as ``r``
   generates: the conditional quantile ``Q_q(L | L > n_r) − n_r`` of
-  :class:`scheduler.alternatives.jitserve.length_bound.LengthBound` (in place of the paper's QRF;
+  :class:`proserve.scheduler.alternatives.jitserve.length_bound.LengthBound` (in place of the paper's QRF;
   why, and its prior, are in that module). It learns from
   completed requests through :meth:`on_request_finished`.
 * ``t_gen(r) = len_rem(r)·v_token(r)`` (§4.2): the slot time ``r`` still needs
@@ -35,7 +35,7 @@ Request Analyzer (Alg. 1 lines 2-6), for every queued request ``r``:
   Appendix C). With ``goodput="tdg"`` (default) ``w_r(i)`` is the TDG weight
   of Eq. 3 (``w_p·w_prio`` for the first token, ``w_d·w_prio`` after), so GMAX
   maximises the headline metric; ``goodput="tokens"`` counts every token as 1,
-  JITServe's own token goodput (:mod:`scheduler.alternatives.jitserve.metrics`).
+  JITServe's own token goodput (:mod:`proserve.scheduler.alternatives.jitserve.metrics`).
   The TTFT SLO enters through the first token's deadline, the TPOT SLO
   through the spacing of the later ones and through the catch-up rate
   ``TPOT_SLO − v_token``.
@@ -120,7 +120,7 @@ Parameters and defaults (the paper's value where it gives one):
 * ``goodput = "tdg"`` (see above) or ``"tokens"``.
 * ``quantile = 0.95``, ``history = 5000``, ``min_samples = 20``,
   ``prior_len = 1024``: the length bound (reasons in
-  :mod:`scheduler.alternatives.jitserve.length_bound`).
+  :mod:`proserve.scheduler.alternatives.jitserve.length_bound`).
 
 Left out, with reasons: the online adaptation of ``p`` (§4.2 explores
 thresholds and keeps the best; per-frame goodput is dominated by arrival

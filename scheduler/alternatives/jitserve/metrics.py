@@ -33,7 +33,7 @@ Reported, overall (``"all"``) and per priority class:
   its SLO); ``request_goodput``, ``request_goodput_ratio``,
   ``request_goodput_per_s``.
 
-``duration`` defaults, as in :func:`scheduler.tdg.summarize`, to first arrival
+``duration`` defaults, as in :func:`proserve.scheduler.tdg.summarize`, to first arrival
 → last emitted token.
 
 Not applicable here: the deadline-sensitive and compound goodputs (all input +

@@ -15,7 +15,7 @@ the K sampled instances ``p``, the priority the dummy would have there and
 picking the best:
 
 1. the dummy's priority on ``p`` as GMAX computes it
-   (:mod:`scheduler.alternatives.jitserve.gmax`): ``goodput_p(r)/t_gen_p(r)``, with ``p``'s own
+   (:mod:`proserve.scheduler.alternatives.jitserve.gmax`): ``goodput_p(r)/t_gen_p(r)``, with ``p``'s own
    β-corrected latency model (replica speed) and, co-located, its decode load
    ``n_d`` in the per-token time ``v_p = t_c + (n_d+1)·T~_d(l̄_d)`` (Eq. 6-7);
 2. when it would be scheduled there: GMAX runs the higher-priority requests
@@ -34,7 +34,7 @@ does not model: ``v`` there is a lightly loaded decode step of the model
 (``t_c + T~_d(prompt)``) and ``t_gen_p`` is the prefill on ``p``, the
 bandwidth of ``p`` the dummy uses; the decode instance is the one with the
 most free KV blocks (base class). Like the local policy, the router keeps an
-online output-length bound (:class:`scheduler.alternatives.jitserve.length_bound.LengthBound`) fed
+online output-length bound (:class:`proserve.scheduler.alternatives.jitserve.length_bound.LengthBound`) fed
 by :meth:`on_request_finished`.
 
 Parameters (validated; the length-bound ones as in the local policy):
@@ -45,7 +45,7 @@ Parameters (validated; the length-bound ones as in the local policy):
 * ``eta = None``: the step length in the co-located stretch factor, default the
   tightest class TPOT SLO (as GoRouting / SlideBatching's η).
 * ``goodput = "tdg"``, ``quantile = 0.95``, ``history = 5000``,
-  ``min_samples = 20``, ``prior_len = 1024``: see :mod:`scheduler.alternatives.jitserve.gmax`.
+  ``min_samples = 20``, ``prior_len = 1024``: see :mod:`proserve.scheduler.alternatives.jitserve.gmax`.
 
 ``last_decision`` keeps the sampled instances, per-instance priorities and
 first-token estimates of the latest call, for logs and tests.

@@ -6,7 +6,7 @@ Each step (Algorithm 1, one batch per call):
    their first prefill that have no decision yet are the new requests. Running
    requests (admitted earlier, or holding KV/tokens when the policy first sees
    them) are forced admissions. The throughput-form DP
-   (:func:`scheduler.alternatives.slos_serve.model.admit_dp`) picks the largest subset of
+   (:func:`proserve.scheduler.alternatives.slos_serve.model.admit_dp`) picks the largest subset of
    the new requests whose prefill deadlines ``pDDL = arrival + TTFT_SLO``,
    decode rates and KV memory fit, with the forced ones, under the token
    budget and the free memory. The others are *declined* into the best-effort
@@ -61,7 +61,7 @@ Parameters (all settable with ``--local-param``):
   the granularity the co-located case has, so a new arrival waits at most
   about one TPOT for the next planning point.
 * ``decode_cost = "model"``: a decode costs ``T~_d(l_kv)/k1`` roofline tokens
-  (:func:`scheduler.alternatives.slos_serve.model.decode_tokens`), because this project's
+  (:func:`proserve.scheduler.alternatives.slos_serve.model.decode_tokens`), because this project's
   Eq. 6 prices a decode by its context; ``"unit"`` is the paper's one token per
   decode (exact when decode and prefill tokens cost alike, as in Fig. 3).
 * ``max_new = 32``: at most this many new requests enter one DP call (earliest
@@ -70,7 +70,7 @@ Parameters (all settable with ``--local-param``):
   burst's DP (33 × 33 count × memory states) within a few milliseconds in
   CPython. New requests that could not
   be admitted even alone are declined before the DP (exact: see
-  :func:`scheduler.alternatives.slos_serve.model.feasible_alone`).
+  :func:`proserve.scheduler.alternatives.slos_serve.model.feasible_alone`).
 * ``roofline_pieces = 2``: lines in the roofline (L = 2 "in practice", §3.1.1).
 * ``fit_max_time`` (default: 4 × the loosest class TPOT SLO, 0.4 s by default):
   the roofline is fitted on prefill chunks taking up to this long. Alg. 2 asks
@@ -99,7 +99,7 @@ finish (Alg. 1 line 17); here the batch is re-planned every step and the DP
 runs in every step that has new requests (thresholds 0), which the per-step
 cost allows.
 
-Not implemented: speculative decoding (see :mod:`scheduler.alternatives.slos_serve.model`);
+Not implemented: speculative decoding (see :mod:`proserve.scheduler.alternatives.slos_serve.model`);
 preempting best-effort requests on new arrivals (§4.1), see above.
 """
 

@@ -12,7 +12,7 @@ a maximum TPOT "every 10 tokens" instead (``mode="window"``): the first token
 within the TTFT SLO, and the mean inter-token time of every run of
 ``window`` tokens after it (the last run may be shorter) at most the TPOT SLO.
 Both compare with ``≤`` (an SLO is a maximum). A request that failed or did not
-finish is not attained. (:func:`scheduler.tdg.slo_attained` is the PROSERVE
+finish is not attained. (:func:`proserve.scheduler.tdg.slo_attained` is the PROSERVE
 paper's version: TTFT and the *mean* TPOT strictly below the SLOs.)
 
 Serving capacity (§2.1, §6 "Metric"): "the maximum request load per GPU while

@@ -15,14 +15,14 @@ one per decode), ``#SpecStep`` the speculation steps of the draft model (0
 here: speculative decoding is out of scope, see below). ``Time2BS(t)`` is its
 inverse: the largest ``#Tokens`` whose batch time is at most ``t``.
 
-How it relates to this project's Eq. 5-7 :class:`~scheduler.estimator.LatencyModel`:
+How it relates to this project's Eq. 5-7 :class:`~proserve.scheduler.estimator.LatencyModel`:
 for one prefill chunk of ``N`` tokens on an empty KV cache, Eq. 5 + Eq. 7 give
 ``t_c + c_p·N + a_p·N²``, a convex function of ``N``; the roofline's max of
 ``L`` lines is a convex piecewise-linear fit of it: ``b_l`` plays the part of
 ``t_c`` (weights read once per step, launch overhead), ``k1^l`` that of
 ``c_p + a_p·N`` over the line's range (compute per token).
 :meth:`Roofline.from_latency_model` fits the roofline to that curve, so a
-policy that gets only an :class:`~scheduler.estimator.Estimator` can build it;
+policy that gets only an :class:`~proserve.scheduler.estimator.Estimator` can build it;
 :meth:`Roofline.fit` fits it to measured ``(#Tokens, #SpecStep, time)``
 samples as the paper does (e.g. the profiler's samples through
 :func:`samples_from_batches`). The roofline is kept in uncorrected model units;
@@ -281,7 +281,7 @@ def _rel_err(lines, X: np.ndarray, y: np.ndarray) -> float:
 
 
 def samples_from_batches(batches) -> list[tuple[int, int, float]]:
-    """``(#Tokens, 0, time)`` from :class:`~scheduler.estimator.BatchSample` records
+    """``(#Tokens, 0, time)`` from :class:`~proserve.scheduler.estimator.BatchSample` records
     (e.g. the profiler's samples), for :meth:`Roofline.fit`."""
     return [(sum(q for q, _ in s.prefills) + len(s.decodes), 0, s.time) for s in batches]
 

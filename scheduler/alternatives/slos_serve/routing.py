@@ -9,7 +9,7 @@ somewhere as best effort (§4.2: "deciding whether to decline the request or
 offload it to lower-tier resources"; here it is never dropped).
 
 The admission check is the same DP as the local policy's
-(:func:`scheduler.alternatives.slos_serve.model.admit_dp` with one candidate), run on what
+(:func:`proserve.scheduler.alternatives.slos_serve.model.admit_dp` with one candidate), run on what
 the global scheduler knows of the replica (:class:`PrefillInstance`): the
 requests this router admitted there whose prefill has not finished (forced,
 with their work as recorded at dispatch), the replica's decoding requests

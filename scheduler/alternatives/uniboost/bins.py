@@ -3,7 +3,7 @@ Prediction: Tail-Aware Scheduling for LLM Inference", Algorithm 1
 and §3.2-3.4): the γ-boost curve, MemGuard's geometric bins and the bound on
 priority revisions they give, the paper's empirical percentile, and the
 adaptive-γ tail estimator (γ-Ada). The policy that uses them is
-:mod:`scheduler.alternatives.uniboost.local`; they live outside ``scheduler/local/`` because
+:mod:`proserve.scheduler.alternatives.uniboost.local`; they live outside ``scheduler/local/`` because
 every module there is registered as a policy.
 
 Choices where the paper contradicts itself (each is stated again where it is

@@ -36,13 +36,13 @@ MemGuard (§3.3), quantised priorities plus minimum-run hysteresis:
 γ-Ada (§3.4): γ is re-estimated from the P95-P99 band of recent end-to-end
 latencies (TTLT) of requests this policy served, fed through
 ``on_request_finished`` (simulator and engine), see
-:class:`scheduler.alternatives.uniboost.bins.TailGamma`.
+:class:`proserve.scheduler.alternatives.uniboost.bins.TailGamma`.
 
 Where the paper is inconsistent or silent, and what this module does:
 
 * **Bin rounding**: Algorithm 1's floor, not Eq. 8's ceiling (floor matches the
   paper's "at most 6 for 10k tokens" example and Lemma A.1's ``b_γ(a/2)``;
-  details in :mod:`scheduler.alternatives.uniboost.bins`).
+  details in :mod:`proserve.scheduler.alternatives.uniboost.bins`).
 * **γ estimator constant**: Eq. 9's ``ln 5 / (t99 - t95)``, not line 17's
   ``ln(99/95)/Δ`` (39× smaller; it uses CDF instead of survival values). Eq. 9
   recovers an exponential tail's rate exactly. ``tail_constant="alg1"`` gives
@@ -51,7 +51,7 @@ Where the paper is inconsistent or silent, and what this module does:
   estimated from latencies in seconds (1/s) while SIGNAL/QUANTIZE count tokens.
   We convert the quantised token count to the seconds this instance needs to
   serve it alone — the "job size" of the M/G/1 γ-Boost theory the paper builds
-  on — with the (β-corrected) latency model of ``scheduler.estimator``:
+  on — with the (β-corrected) latency model of ``proserve.scheduler.estimator``:
   ``x = T~_p(ŝ) + t_c`` for a prompt of ŝ tokens (Eq. 5 + t_c, one batch) and
   ``x = ŝ·(T~_d(l_prompt) + t_c)`` for ŝ decode tokens (ŝ decode steps, Eq. 6).
   A prompt token costs an order of magnitude (CPU) to two (GPU) less than a
