@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, Iterator, Sequence
 
+from proserve.scheduler import validate
 from proserve.scheduler.request import ConfigError
 
 FORMATS = ("azure", "burstgpt", "mooncake", "sharegpt")
@@ -91,8 +92,8 @@ class _RowError(ValueError):
 # --- helpers -----------------------------------------------------------------
 
 def _check_limit(limit: int | None) -> None:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ConfigError(f"limit must be a positive integer or None, got {limit!r}")
+    if limit is not None:
+        validate.integer("", "limit", limit)
 
 
 def _open(path: str | os.PathLike):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import numbers
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from proserve.scheduler import validate
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
@@ -42,31 +42,13 @@ _SALT_ARRIVALS = 0xA77
 _SALT_PRIORITY = 0x9A1
 
 
-# --- validation helpers --------------------------------------------------------
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _positive_int(where: str, name: str, v) -> int:
-    if not _is_int(v) or v < 1:
-        raise ConfigError(f"{where}: {name} must be a positive integer, got {v!r}")
-    return int(v)
-
-
-def _positive(where: str, name: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"{where}: {name} must be a finite number > 0, got {v!r}")
-    return float(v)
-
+# --- seeds ----------------------------------------------------------------------
 
 def _entropy(seed: int | None, salt: int) -> list[int] | None:
     """Seed material for numpy: ``[seed, salt]``, or None (fresh entropy) for ``seed=None``."""
     if seed is None:
         return None
-    if not _is_int(seed) or seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer or None, got {seed!r}")
-    return [int(seed), salt]
+    return [validate.integer("", "seed", seed, 0), salt]
 
 
 def _rng(seed: int | None, salt: int) -> np.random.Generator:
@@ -138,18 +120,16 @@ class LengthDist:
             raise ConfigError(f"LengthDist: unknown kind {self.kind!r} "
                               f"(choose from {', '.join(LENGTH_KINDS)})")
         if self.kind == "fixed":
-            _positive_int(where, "value", self.value)
+            validate.integer(where, "value", self.value)
             return
-        _positive_int(where, "lo", self.lo)
+        validate.integer(where, "lo", self.lo)
         if self.kind == "uniform" or self.hi is not None:
-            _positive_int(where, "hi", self.hi)
+            validate.integer(where, "hi", self.hi)
             if self.hi < self.lo:
                 raise ConfigError(f"{where}: hi must be >= lo, got lo={self.lo!r}, hi={self.hi!r}")
         if self.kind == "lognormal":
-            _positive(where, "mean", self.mean)
-            s = self.sigma
-            if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0:
-                raise ConfigError(f"{where}: sigma must be a finite number >= 0, got {s!r}")
+            validate.positive(where, "mean", self.mean)
+            validate.non_negative(where, "sigma", self.sigma)
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """``n`` integer lengths (int64 array)."""
@@ -172,7 +152,7 @@ def _arrival_times(n: int, rate: float, arrival: str, cv: float, rng: np.random.
     """``n`` arrival times starting at 0 with mean gap ``1/rate``."""
     if arrival not in ARRIVALS:
         raise ConfigError(f"unknown arrival process {arrival!r} (choose from {', '.join(ARRIVALS)})")
-    _positive("arrivals", "cv", cv)
+    validate.positive("arrivals", "cv", cv)
     if arrival != "gamma" and cv != 1.0:
         raise ConfigError(f"arrivals: cv={cv!r} applies only to arrival='gamma' (got {arrival!r})")
     m = n - 1
@@ -196,8 +176,8 @@ def synthetic(n: int, rate: float, arrival: str = "poisson", cv: float = 1.0,
     ``cv>1`` burstier) or ``constant`` (evenly spaced). Lengths default to
     :data:`DEFAULT_PROMPT` / :data:`DEFAULT_OUTPUT`.
     """
-    n = _positive_int("synthetic", "n", n)
-    rate = _positive("synthetic", "rate", rate)
+    n = validate.integer("synthetic", "n", n)
+    rate = validate.positive("synthetic", "rate", rate)
     prompt = DEFAULT_PROMPT if prompt is None else prompt
     output = DEFAULT_OUTPUT if output is None else output
     for name, d in (("prompt", prompt), ("output", output)):
@@ -214,7 +194,7 @@ def synthetic(n: int, rate: float, arrival: str = "poisson", cv: float = 1.0,
 def assign_arrivals(records: Sequence[TraceRecord], rate: float, arrival: str = "poisson",
                     cv: float = 1.0, seed: int | None = 0) -> list[TraceRecord]:
     """Replace arrivals by a fresh ``arrival`` process at ``rate`` (record order kept)."""
-    rate = _positive("assign_arrivals", "rate", rate)
+    rate = validate.positive("assign_arrivals", "rate", rate)
     if not records:
         return []
     t = _arrival_times(len(records), rate, arrival, cv, _rng(seed, _SALT_ARRIVALS))
@@ -237,7 +217,7 @@ def scale_to_rate(records: Sequence[TraceRecord], rate: float, seed: int | None 
     (Poisson by default, as the paper does for ShareGPT); ``arrival``/``cv``
     apply only then.
     """
-    rate = _positive("scale_to_rate", "rate", rate)
+    rate = validate.positive("scale_to_rate", "rate", rate)
     recs = sorted(records, key=lambda r: r.arrival)
     if len(recs) <= 1:
         return [replace(r, arrival=0.0) for r in recs]
@@ -260,7 +240,7 @@ def repeat_arrivals(records: Sequence[TraceRecord], duration: float) -> Iterator
     memory (:func:`iter_tagged`, ``proserve.sim.stream``). Scale first
     (:func:`scale_to_rate`) to set the rate, then repeat.
     """
-    duration = _positive("repeat_arrivals", "duration", duration)
+    duration = validate.positive("repeat_arrivals", "duration", duration)
     recs = sorted(records, key=lambda r: r.arrival)
     if len(recs) < 2 or recs[-1].arrival == recs[0].arrival:
         raise ConfigError("repeat_arrivals: needs at least two records with different arrivals "
@@ -287,7 +267,7 @@ def fit_to_context(records: Sequence[TraceRecord], max_model_len: int) -> tuple[
     The output is cut first (down to 1 token); if the prompt alone leaves no
     room, it is cut to ``max_model_len - 1`` and the output is 1 token.
     """
-    L = _positive_int("fit_to_context", "max_model_len", max_model_len)
+    L = validate.integer("fit_to_context", "max_model_len", max_model_len)
     if L < 2:
         raise ConfigError(f"fit_to_context: max_model_len must be >= 2, got {max_model_len!r}")
     out: list[TraceRecord] = []
@@ -321,8 +301,7 @@ def _normalise_shares(shares: Mapping[str, float] | None, names: list[str]) -> n
     for name, s in shares.items():
         if name not in names:
             raise ConfigError(f"shares: unknown class {name!r} (classes: {', '.join(names)})")
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0:
-            raise ConfigError(f"shares[{name!r}] must be a finite number >= 0, got {s!r}")
+        validate.non_negative("", f"shares[{name!r}]", s)
     p = np.array([float(shares.get(n, 0.0)) for n in names])
     if p.sum() <= 0:
         raise ConfigError(f"shares must not all be 0, got {dict(shares)!r}")
@@ -344,8 +323,7 @@ def tag_priorities(records: Sequence[TraceRecord], classes: Mapping[str, Priorit
     classes = _check_classes(default_classes() if classes is None else classes)
     names = list(classes)
     probs = _normalise_shares(shares, names)
-    if isinstance(start, bool) or not isinstance(start, numbers.Real) or not math.isfinite(start):
-        raise ConfigError(f"start must be a finite number, got {start!r}")
+    validate.number("", "start", start)
     if max_model_len is not None:
         records, changed = fit_to_context(records, max_model_len)
         if changed:
@@ -376,7 +354,7 @@ def iter_tagged(records: Iterable[TraceRecord], classes: Mapping[str, PriorityCl
     classes = _check_classes(default_classes() if classes is None else classes)
     names = list(classes)
     probs = _normalise_shares(shares, names)
-    chunk = _positive_int("iter_tagged", "chunk", chunk)
+    chunk = validate.integer("iter_tagged", "chunk", chunk)
     rng = _rng(seed, _SALT_PRIORITY)
     it = iter(records)
     i = 0
@@ -414,7 +392,7 @@ def build_workload(source: str | os.PathLike, rate: float | None = None, num_req
       (a ShareGPT trace then arrives all at once, at ``start``).
     """
     if num_requests is not None:
-        _positive_int("build_workload", "num_requests", num_requests)
+        validate.integer("build_workload", "num_requests", num_requests)
     if str(source) == "synthetic":
         if load_options or fmt is not None:
             raise ConfigError("build_workload: fmt/loader options do not apply to source 'synthetic'")
