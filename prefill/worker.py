@@ -33,7 +33,7 @@ WORKER_KEEP_ALIVE_S = 75
 def build_parser(role: str) -> argparse.ArgumentParser:
     what = "prefill (KV producer)" if role == "prefill" else "decode (KV consumer)"
     ap = argparse.ArgumentParser(
-        prog=f"python -m {role}",
+        prog=f"python -m proserve.{role}",
         description=f"Start a ProServe {what} worker: a vLLM OpenAI-compatible server whose KV "
                     f"connector {'pushes each request’s KV cache to a decode worker' if role == 'prefill' else 'receives KV cache pushed by prefill workers'} over ZeroMQ.",
     )
