@@ -125,31 +125,71 @@ class ClassMetrics:
         return dict(self.__dict__)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def _pct(values, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+class ClassSums:
+    """Running sums of one class's metrics, one request at a time: what
+    :func:`class_metrics` computes over a list and ``proserve.sim.report.MetricsAccumulator``
+    over a stream of requests it then drops. The TTFT and TPOT values for the
+    percentiles are kept by the caller (:meth:`add` returns them)."""
+
+    __slots__ = ("finished", "first_got", "first_ideal", "ideal", "requests", "slo_met", "tdg", "tokens")
+
+    def __init__(self) -> None:
+        self.requests = self.finished = self.slo_met = self.tokens = 0
+        self.tdg = self.ideal = self.first_ideal = self.first_got = 0.0
+
+    @staticmethod
+    def terms(r: Request, gain: GainConfig) -> tuple:
+        """One request's contributions: (TDG, ideal gain, first-token ideal, first-token gain, SLO met)."""
+        first = gain.w_p * r.weight
+        got = first if r.token_times and r.token_times[0] < gain.token_deadline(r, 1) else 0.0
+        return gain.tdg(r), gain.ideal_gain(r), first, got, slo_attained(r)
+
+    def add(self, r: Request, terms: tuple) -> None:
+        tdg, ideal, first, got, met = terms
+        self.requests += 1
+        self.finished += r.finished
+        self.tdg += tdg
+        self.ideal += ideal
+        self.first_ideal += first
+        self.first_got += got
+        self.slo_met += met
+        self.tokens += r.num_emitted
+
+    def metrics(self, name: str, ttfts, tpots, duration: float) -> ClassMetrics:
+        """The class's :class:`ClassMetrics`, given its TTFT and TPOT values."""
+        ratio = self.tdg / self.ideal if self.ideal > 0 else float("nan")
+        return ClassMetrics(
+            name=name, requests=self.requests, finished=self.finished, tdg=self.tdg, ideal_gain=self.ideal,
+            tdg_ratio=ratio, miss_tdg_ratio=1.0 - ratio if self.ideal > 0 else float("nan"),
+            first_token_tdg_ratio=self.first_got / self.first_ideal if self.first_ideal > 0 else float("nan"),
+            slo_attainment=self.slo_met / self.requests if self.requests else float("nan"),
+            ttft_p50=_pct(ttfts, 50), ttft_p90=_pct(ttfts, 90), ttft_p99=_pct(ttfts, 99),
+            tpot_p50=_pct(tpots, 50), tpot_p90=_pct(tpots, 90), tpot_p99=_pct(tpots, 99),
+            throughput_tokens_s=self.tokens / duration if duration > 0 else float("nan"),
+            throughput_req_s=self.finished / duration if duration > 0 else float("nan"),
+        )
+
+
+def request_latencies(r: Request) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) as the percentiles count them: TPOT only for finished multi-token requests."""
+    return r.ttft, (r.tpot if r.finished and r.num_emitted > 1 else None)
 
 
 def class_metrics(name: str, reqs: Sequence[Request], gain: GainConfig, duration: float) -> ClassMetrics:
-    tdg = sum(gain.tdg(r) for r in reqs)
-    ideal = sum(gain.ideal_gain(r) for r in reqs)
-    first_ideal = sum(gain.w_p * r.weight for r in reqs)
-    first_got = sum(gain.w_p * r.weight for r in reqs
-                    if r.token_times and r.token_times[0] < gain.token_deadline(r, 1))
-    ttfts = [r.ttft for r in reqs if r.ttft is not None]
-    tpots = [r.tpot for r in reqs if r.finished and r.num_emitted > 1]
-    finished = sum(1 for r in reqs if r.finished)
-    tokens = sum(r.num_emitted for r in reqs)
-    ratio = tdg / ideal if ideal > 0 else float("nan")
-    return ClassMetrics(
-        name=name, requests=len(reqs), finished=finished, tdg=tdg, ideal_gain=ideal,
-        tdg_ratio=ratio, miss_tdg_ratio=1.0 - ratio if ideal > 0 else float("nan"),
-        first_token_tdg_ratio=first_got / first_ideal if first_ideal > 0 else float("nan"),
-        slo_attainment=(sum(1 for r in reqs if slo_attained(r)) / len(reqs)) if reqs else float("nan"),
-        ttft_p50=_pct(ttfts, 50), ttft_p90=_pct(ttfts, 90), ttft_p99=_pct(ttfts, 99),
-        tpot_p50=_pct(tpots, 50), tpot_p90=_pct(tpots, 90), tpot_p99=_pct(tpots, 99),
-        throughput_tokens_s=tokens / duration if duration > 0 else float("nan"),
-        throughput_req_s=finished / duration if duration > 0 else float("nan"),
-    )
+    sums = ClassSums()
+    ttfts, tpots = [], []
+    for r in reqs:
+        sums.add(r, ClassSums.terms(r, gain))
+        ttft, tpot = request_latencies(r)
+        if ttft is not None:
+            ttfts.append(ttft)
+        if tpot is not None:
+            tpots.append(tpot)
+    return sums.metrics(name, ttfts, tpots, duration)
 
 
 def run_duration(reqs: Sequence[Request]) -> float:

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
-
 from proserve.scheduler.request import Request
-from proserve.scheduler.tdg import ClassMetrics, GainConfig, slo_attained, summarize
+from proserve.scheduler.tdg import ClassMetrics, ClassSums, GainConfig, request_latencies, slo_attained, summarize
 
 
 def request_records(reqs: Iterable[Request], gain: GainConfig) -> list[dict]:
@@ -33,63 +32,37 @@ def metrics_dict(reqs: Sequence[Request], gain: GainConfig, duration: float | No
     return {k: v.as_dict() for k, v in summarize(reqs, gain, duration).items()}
 
 
-def _pct_array(a: np.ndarray, q: float) -> float:
-    return float(np.percentile(a, q)) if len(a) else float("nan")
-
-
-class _Sums:
-    __slots__ = ("finished", "first_got", "first_ideal", "ideal", "requests", "slo_met", "tdg", "tokens",
-                 "tpots", "ttfts")
-
-    def __init__(self) -> None:
-        self.requests = self.finished = self.slo_met = self.tokens = 0
-        self.tdg = self.ideal = self.first_ideal = self.first_got = 0.0
-        self.ttfts = array("d")
-        self.tpots = array("d")
-
-
 class MetricsAccumulator:
     """:func:`proserve.scheduler.tdg.summarize` over a stream: each request is added once, when
     it ends, and can then be dropped — the memory-light path of long simulations
     (``proserve.sim.stream``), where millions of requests' token timelines would not fit.
 
-    Per request it calls the same functions as ``summarize`` (``GainConfig.tdg``,
-    ``ideal_gain``, ``token_deadline``, ``slo_attained``, ``Request.ttft/tpot``)
-    and keeps sums per class and overall, and the request's TTFT and TPOT (8 bytes
-    each, for the percentiles) in its class only: memory grows by about 16 bytes
-    per request, whatever its number of tokens. :meth:`result`
-    gives the ``ClassMetrics`` that ``summarize`` would give for the same requests
-    (equal up to float summation order; tests/test_sim_stream.py).
+    The sums are ``ClassSums``, the ones ``summarize`` adds up, per class and overall;
+    the request's TTFT and TPOT (8 bytes each, for the percentiles) are kept in its
+    class only: memory grows by about 16 bytes per request, whatever its number of
+    tokens. :meth:`result` gives the ``ClassMetrics`` that ``summarize`` would give for
+    the same requests (equal up to float summation order; tests/test_sim_stream.py).
     """
 
     def __init__(self, gain: GainConfig):
         self.gain = gain
-        self.sums: dict[str, _Sums] = {"all": _Sums()}
+        self.sums: dict[str, ClassSums] = {"all": ClassSums()}
+        self.ttfts: dict[str, array] = {}
+        self.tpots: dict[str, array] = {}
 
     def add(self, r: Request) -> None:
-        g = self.gain
-        tdg, ideal = g.tdg(r), g.ideal_gain(r)
-        first = g.w_p * r.weight
-        got = first if r.token_times and r.token_times[0] < g.token_deadline(r, 1) else 0.0
-        ttft = r.ttft
-        tpot = r.tpot if r.finished and r.num_emitted > 1 else None
-        met = slo_attained(r)
+        terms = ClassSums.terms(r, self.gain)
         cls = self.sums.get(r.priority)
         if cls is None:
-            cls = self.sums[r.priority] = _Sums()
-        for s in (self.sums["all"], cls):
-            s.requests += 1
-            s.finished += r.finished
-            s.tdg += tdg
-            s.ideal += ideal
-            s.first_ideal += first
-            s.first_got += got
-            s.slo_met += met
-            s.tokens += r.num_emitted
+            cls = self.sums[r.priority] = ClassSums()
+            self.ttfts[r.priority], self.tpots[r.priority] = array("d"), array("d")
+        self.sums["all"].add(r, terms)
+        cls.add(r, terms)
+        ttft, tpot = request_latencies(r)
         if ttft is not None:
-            cls.ttfts.append(ttft)      # "all" takes the union of the classes' values in result()
+            self.ttfts[r.priority].append(ttft)   # "all" takes the union of the classes' values in result()
         if tpot is not None:
-            cls.tpots.append(tpot)
+            self.tpots[r.priority].append(tpot)
 
     @property
     def count(self) -> int:
@@ -97,27 +70,16 @@ class MetricsAccumulator:
 
     def result(self, duration: float) -> dict[str, ClassMetrics]:
         """``"all"`` then each class by name, as :func:`summarize` orders them."""
-        out = {}
         classes = sorted(k for k in self.sums if k != "all")
-        for name in ["all"] + classes:
-            s = self.sums[name]
-            if name != "all" and not s.requests:
-                continue
-            if name == "all":
-                ttfts = np.concatenate([np.frombuffer(self.sums[c].ttfts) for c in classes] or [np.empty(0)])
-                tpots = np.concatenate([np.frombuffer(self.sums[c].tpots) for c in classes] or [np.empty(0)])
-            else:
-                ttfts, tpots = np.frombuffer(s.ttfts), np.frombuffer(s.tpots)
-            ratio = s.tdg / s.ideal if s.ideal > 0 else float("nan")
-            out[name] = ClassMetrics(
-                name=name, requests=s.requests, finished=s.finished, tdg=s.tdg, ideal_gain=s.ideal,
-                tdg_ratio=ratio, miss_tdg_ratio=1.0 - ratio if s.ideal > 0 else float("nan"),
-                first_token_tdg_ratio=s.first_got / s.first_ideal if s.first_ideal > 0 else float("nan"),
-                slo_attainment=s.slo_met / s.requests if s.requests else float("nan"),
-                ttft_p50=_pct_array(ttfts, 50), ttft_p90=_pct_array(ttfts, 90), ttft_p99=_pct_array(ttfts, 99),
-                tpot_p50=_pct_array(tpots, 50), tpot_p90=_pct_array(tpots, 90), tpot_p99=_pct_array(tpots, 99),
-                throughput_tokens_s=s.tokens / duration if duration > 0 else float("nan"),
-                throughput_req_s=s.finished / duration if duration > 0 else float("nan"))
+
+        def values(per_class: dict[str, array], names: list[str]) -> np.ndarray:
+            return np.concatenate([np.frombuffer(per_class[c]) for c in names] or [np.empty(0)])
+
+        out = {"all": self.sums["all"].metrics("all", values(self.ttfts, classes), values(self.tpots, classes),
+                                                duration)}
+        for name in classes:
+            out[name] = self.sums[name].metrics(name, values(self.ttfts, [name]), values(self.tpots, [name]),
+                                                duration)
         return out
 
 
