@@ -102,11 +102,14 @@ class LatencyModel:
 
     # -- fitting -------------------------------------------------------------
     @classmethod
-    def fit(cls, samples: Sequence[BatchSample], metadata: dict | None = None) -> "LatencyModel":
+    def fit(cls, samples: Sequence[BatchSample], metadata: dict | None = None,
+            relative: bool = True) -> "LatencyModel":
         """Non-negative least squares on relative error.
 
         Rows are scaled by 1/T so that short and long batches count alike (the
-        quality target is MAPE, a relative error).
+        quality target is MAPE, a relative error). ``relative=False`` fits the
+        absolute error instead: the predicted times then sum to about the measured
+        ones (what a simulator replaying a served workload needs; long steps weigh more).
         """
         from scipy.optimize import nnls
 
@@ -116,7 +119,7 @@ class LatencyModel:
         y = np.array([s.time for s in samples], dtype=float)
         if np.any(y <= 0):
             raise ConfigError("latency model: sample times must be > 0")
-        w = 1.0 / y
+        w = 1.0 / y if relative else np.ones_like(y)
         # column scaling keeps NNLS well conditioned (features span ~12 decades)
         scale = np.maximum(np.abs(X * w[:, None]).max(axis=0), 1e-30)
         coef, _ = nnls(X * w[:, None] / scale, y * w)

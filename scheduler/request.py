@@ -150,6 +150,21 @@ class Request:
         self.token_times.extend(times)
         self._after_tokens()
 
+    def hand_off(self) -> None:
+        """Disaggregated serving as vLLM does it (and ProServe's dispatcher): the token the
+        prefill step sampled is not delivered. The decode worker loads the KV of all prompt
+        positions but the last, recomputes that one in its first step and samples the first
+        output token itself, so every output token comes from the decode side."""
+        if self.token_times:
+            self.kv_len -= 1
+            self.token_times.clear()
+        self.phase = Phase.DECODING
+
+    def delay_tokens(self, dt: float) -> None:
+        """Every token reaches the client ``dt`` seconds after the step that made it."""
+        if dt:
+            self.token_times[:] = [t + dt for t in self.token_times]
+
     def _after_tokens(self) -> None:
         """Emitted tokens end the request once it has produced ``output_len`` of them."""
         self.phase = Phase.DONE if len(self.token_times) >= self.output_len else Phase.DECODING

@@ -169,6 +169,17 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     c.add_argument("--kv-bandwidth", type=float, default=25.0, help="KV transfer bandwidth in GB/s (default 25)")
     c.add_argument("--kv-blocks", type=int, help="KV blocks per instance (default: from the latency model)")
     c.add_argument("--exact", action="store_true", help="simulate every decode step (no macro-steps)")
+    h = p.add_argument_group("what the real cluster adds around the engines (scripts/bench_fidelity.py measures it)")
+    h.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
+                   help="disaggregated: who emits the first token: 'prefill' (the paper, §4.3; default) or "
+                        "'decode' (ProServe's dispatcher and vLLM: the decode worker emits every output token "
+                        "after the KV arrived)")
+    h.add_argument("--dispatch-delay", type=float, default=0.0,
+                   help="seconds from a request's arrival to its instance's queue (HTTP hops; default 0)")
+    h.add_argument("--handoff-delay", type=float, default=0.0,
+                   help="disaggregated: seconds from a prefill's end to its KV transfer start (default 0)")
+    h.add_argument("--stream-delay", type=float, default=0.0,
+                   help="seconds from a token's step end to the client (default 0)")
     p.add_argument("--local-param", action="append", metavar="KEY=VALUE",
                    help="local policy parameter, e.g. gamma=1.5 eta=0.05 phi=c (repeatable)")
     p.add_argument("--global-param", action="append", metavar="KEY=VALUE",
@@ -202,7 +213,9 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         local_params=parse_key_values(args.local_param, "--local-param"), global_policy=glob,
         global_params=parse_key_values(args.global_param, "--global-param"), noise_cv=args.noise_cv,
         true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
-        fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed)
+        fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed,
+        first_token=args.first_token, dispatch_delay=args.dispatch_delay, handoff_delay=args.handoff_delay,
+        stream_delay=args.stream_delay)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,
                    num_requests=args.num_requests or None, seed=seed, classes=classes, shares=shares,
                    latency_model=args.latency_model, w_p=args.w_p, w_d=args.w_d, deadline=args.deadline, sim=sim,

@@ -43,9 +43,10 @@ from proserve.scheduler.routing.base import DISAGGREGATED, DecodeInstance, Prefi
 from proserve.scheduler.tdg import GainConfig
 
 DEPLOYMENTS = (COLOCATED, DISAGGREGATED)
+FIRST_TOKEN = ("prefill", "decode")
 
 # event kinds, ordered so that simultaneous events resolve deterministically
-_STEP_DONE, _KV_ARRIVED, _ARRIVAL = 0, 1, 2
+_STEP_DONE, _KV_ARRIVED, _ARRIVAL, _ENQUEUE = 0, 1, 2, 3
 
 
 @dataclass
@@ -60,6 +61,7 @@ class SimConfig:
     global_params: dict = field(default_factory=dict)
     noise_cv: float = 0.0            # log-normal step-time noise (coefficient of variation)
     true_model: LatencyModel | None = None  # defaults to the estimator's model
+    decode_true_model: LatencyModel | None = None  # disaggregated decode instances (default: true_model)
     kv_bandwidth: float = 25e9       # bytes/s between prefill and decode instances
     num_kv_blocks: int | None = None # per instance; default from the model's metadata
     block_size: int | None = None
@@ -70,6 +72,14 @@ class SimConfig:
     max_macro_steps: int = 64
     record_timeline: bool = False
     seed: int = 0
+    # What the real cluster adds around the engines (measured by scripts/bench_fidelity.py):
+    # "prefill": the prefill step's token is the first token (the paper, §4.3); "decode": the
+    # decode instance emits every output token, the first one in its first step after the KV
+    # arrived (vLLM's disaggregated serving and ProServe's dispatcher; Request.hand_off)
+    first_token: str = "prefill"
+    dispatch_delay: float = 0.0      # s from a request's arrival to its instance's queue (HTTP hops)
+    handoff_delay: float = 0.0       # s from a prefill's end to its KV transfer start (disaggregated)
+    stream_delay: float = 0.0        # s from a token's step end to the client
 
     def validate(self) -> None:
         W = "simulator"
@@ -78,6 +88,9 @@ class SimConfig:
             validate.integer(W, k, getattr(self, k))
         validate.non_negative(W, "noise_cv", self.noise_cv)
         validate.positive(W, "kv_bandwidth", self.kv_bandwidth)
+        validate.one_of(W, "first_token", self.first_token, FIRST_TOKEN)
+        for k in ("dispatch_delay", "handoff_delay", "stream_delay"):
+            validate.non_negative(W, k, getattr(self, k))
         for k in ("num_kv_blocks", "block_size", "kv_bytes_per_token"):
             if getattr(self, k) is not None:
                 validate.integer(W, k, getattr(self, k))
@@ -122,6 +135,8 @@ class _Instance:
         self.waiting: list[Request] = []    # need prefill (incl. preempted)
         self.decoding: list[Request] = []
         self.pending_kv: list[Request] = [] # decode instance: KV waiting for blocks
+        self.loading: list[Request] = []    # decode instance: KV arrived, loaded during the next step
+        self.loads: list[Request] = []      # ... loaded during the step in progress
         self.busy = False
         self.version = 0
         self.plan: BatchPlan | None = None
@@ -172,9 +187,9 @@ class Simulator:
         if dep == DISAGGREGATED:
             for j in range(config.decode_instances):
                 est = Estimator(model, OnlineCorrector(config.theta, config.window_s))
-                self.decoders.append(_Instance(j, "decode", None, est, self.truth, self.num_blocks,
-                                               self.block_size, np.random.default_rng(rng.integers(1 << 62)),
-                                               config.noise_cv))
+                self.decoders.append(_Instance(j, "decode", None, est, config.decode_true_model or self.truth,
+                                               self.num_blocks, self.block_size,
+                                               np.random.default_rng(rng.integers(1 << 62)), config.noise_cv))
         self.router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
                                   deployment=dep, seed=config.seed, **config.global_params)
         self.p_states = [PrefillInstance(i.id, i.est) for i in self.front]
@@ -205,6 +220,8 @@ class Simulator:
             now, kind, _, payload = heapq.heappop(self._events)
             if kind == _ARRIVAL:
                 self._on_arrival(payload, now)
+            elif kind == _ENQUEUE:
+                self._enqueue(*payload, now)
             elif kind == _STEP_DONE:
                 inst, version = payload
                 if version == inst.version:
@@ -229,6 +246,12 @@ class Simulator:
         self.router_host.dispatched(r, p.id, now)
         if d is not None:
             self._decode_target[r.id] = d.id
+        if self.cfg.dispatch_delay:
+            self._push(now + self.cfg.dispatch_delay, _ENQUEUE, (inst, r))
+        else:
+            self._enqueue(inst, r, now)
+
+    def _enqueue(self, inst: _Instance, r: Request, now: float) -> None:
         inst.waiting.append(r)
         self._wake(inst, now)
 
@@ -243,6 +266,7 @@ class Simulator:
             inst.admitted.pop(r.id, None)
             inst.host.finished(r, now)
         self.router_host.finished(r, now)   # also out of PrefillQueueMap / n_d, wherever it still counts
+        r.delay_tokens(self.cfg.stream_delay)  # from here on, the times the client saw
 
     def _wake(self, inst: _Instance, now: float) -> None:
         """New work for ``inst``: start a step if idle, or cut a macro-step short."""
@@ -297,6 +321,9 @@ class Simulator:
         inst.macro_times = None
         if inst.mode == "decode":
             self._admit_kv(inst, now)
+            if inst.loading and not inst.decoding:
+                inst.decoding += inst.loading   # nothing else runs: loaded at once (in handoff_delay)
+                inst.loading = []
         if not inst.waiting and not inst.decoding:
             return False
         bs = self.block_size
@@ -320,6 +347,13 @@ class Simulator:
                 i = plan.info
                 self.timeline.append(TimelinePoint(now, inst.id, i.n_urgent, i.n_normal, i.t_budget,
                                                    len(inst.waiting), len(inst.decoding)))
+        if inst.mode == "decode" and inst.loading:
+            if plan.decode:
+                inst.loads, inst.loading = inst.loading, []   # loaded while this step runs
+            else:
+                inst.decoding += inst.loading   # nothing else runs: loaded at once (in handoff_delay)
+                inst.loading = []
+                return True
         if plan.empty:
             return self._unstick(inst, now, None if inst.mode == "decode" else view)
         # allocate KV blocks for the step
@@ -330,14 +364,14 @@ class Simulator:
             inst.free_blocks -= blocks_for(r, n, bs)
         k = 1
         if self.cfg.fast_forward and not plan.prefill and not inst.waiting and not inst.pending_kv \
-                and len(plan.decode) == len(inst.decoding):
+                and not inst.loads and len(plan.decode) == len(inst.decoding):
             k = self._macro_len(inst, plan.decode)
         prefills = [(n, r.kv_len) for r, n in plan.prefill]
         if k == 1:
             for r in plan.decode:
                 inst.free_blocks -= blocks_for(r, 1, bs)
             kvs = [r.kv_len for r in plan.decode]
-            dur = self.truth.batch_time(prefills, kvs) * inst.noise()
+            dur = inst.truth.batch_time(prefills, kvs) * inst.noise()
             inst.host.observe(dur, prefills, kvs, now + dur)
             inst.macro_times = np.array([now + dur])
         else:
@@ -397,7 +431,7 @@ class Simulator:
     def _macro_durations(self, inst: _Instance, decodes: list[Request], k: int) -> np.ndarray:
         n = len(decodes)
         kv_sum = sum(r.kv_len for r in decodes)
-        durs = self.truth.unit.decode_run(kv_sum, n, k)
+        durs = inst.truth.unit.decode_run(kv_sum, n, k)
         if inst.noise_cv > 0:
             durs = durs * np.array([inst.noise() for _ in range(k)])
         est_total = inst.est.model.unit.decode_run_total(kv_sum, n, k)
@@ -425,6 +459,9 @@ class Simulator:
             inst.free_blocks += inst.blocks_held(r)
             self._finished(r, now)
         inst.host.batch_done(plan, now)
+        if inst.loads:
+            inst.decoding += inst.loads
+            inst.loads = []
         self._start_step(inst, now)
 
     def _prefill_done(self, inst: _Instance, r: Request, now: float) -> None:
@@ -439,6 +476,8 @@ class Simulator:
                 inst.decoding.append(r)
             return
         # disaggregated: KV moves to the decode instance picked at dispatch
+        if self.cfg.first_token == "decode":
+            r.hand_off()   # the decode instance emits every output token
         if r.phase is Phase.DONE:
             inst.free_blocks += inst.blocks_held(r)
             self._finished(r, now)
@@ -464,6 +503,7 @@ class Simulator:
             dec.pending_kv.pop(0)
             dec.free_blocks -= math.ceil(r.kv_len / self.block_size)
             dt = r.kv_len * self.kv_bytes / self.cfg.kv_bandwidth if self.kv_bytes else 0.0
+            dt += self.cfg.handoff_delay
             self._push(now + dt, _KV_ARRIVED, (dec, r))
 
     def _on_kv_arrived(self, dec: _Instance, r: Request, now: float) -> None:
@@ -472,7 +512,12 @@ class Simulator:
             src.free_blocks += src.blocks_held(r)
             if src.waiting:
                 self._wake(src, now)
-        dec.decoding.append(r)
+        if self.cfg.first_token == "decode" and dec.busy:
+            # vLLM loads received KV asynchronously: during the decode instance's next step,
+            # and the request computes (its first token) in the step after
+            dec.loading.append(r)
+        else:
+            dec.decoding.append(r)
         self._wake(dec, now)
 
 

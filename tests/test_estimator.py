@@ -105,3 +105,19 @@ def test_beta_damps_a_single_outlier():
 def test_invalid_corrector(kw):
     with pytest.raises(ConfigError):
         OnlineCorrector(**kw)
+
+
+def test_absolute_fit_keeps_the_total_time_where_relative_fit_does_not():
+    """relative=False minimises absolute error: the predicted times of the samples sum to
+    about the measured ones even when long steps run slower than the short ones suggest
+    (what a simulator replaying served steps needs); the default (relative) fit does not."""
+    from proserve.scheduler.estimator import BatchSample
+    samples = [BatchSample.of([], [100] * n, 0.010 + 0.001 * n) for n in range(1, 40)]
+    samples += [BatchSample.of([(q, 0)], [], 0.010 + 0.0002 * q * (1.3 if q > 400 else 1.0))
+                for q in range(50, 1000, 50)]
+    total = sum(s.time for s in samples)
+    absolute = LatencyModel.fit(samples, relative=False)
+    relative = LatencyModel.fit(samples)
+    assert sum(absolute.predict(s) for s in samples) == pytest.approx(total, rel=0.01)
+    assert abs(sum(relative.predict(s) for s in samples) / total - 1) > \
+        abs(sum(absolute.predict(s) for s in samples) / total - 1)
