@@ -250,9 +250,21 @@ def _pairs(batch) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def engine_limits(points: list[Point], max_model_len: int) -> tuple[int, int]:
+def within_budget(points: list[Point], max_num_batched_tokens: int) -> tuple[list[Point], list[Point]]:
+    """(points whose steps fit ``max_num_batched_tokens``, the others)."""
+    keep = [p for p in points if p.step_tokens <= max_num_batched_tokens]
+    if not keep:
+        raise GridError(f"no grid point fits a step of {max_num_batched_tokens} tokens")
+    return keep, [p for p in points if p.step_tokens > max_num_batched_tokens]
+
+
+def engine_limits(points: list[Point], max_model_len: int,
+                  max_num_batched_tokens: int | None = None) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) that let every point run as one step:
-    room for the largest batch plus the blocker request of multi-request submissions."""
+    room for the largest batch plus the blocker request of multi-request submissions.
+    A given ``max_num_batched_tokens`` is used as is (the points must fit it: ``within_budget``)."""
+    if max_num_batched_tokens is not None:
+        return max_num_batched_tokens, max(8, max(p.num_seqs for p in points) + 1)
     tokens = max([max_model_len] + [p.step_tokens for p in points])
     seqs = max(8, max(p.num_seqs for p in points) + 1)
     return tokens, seqs

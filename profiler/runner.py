@@ -309,7 +309,7 @@ class Runner:
             times += [st.time for st in self.reader.read_new() if sum(q for q, _ in st.prefills) == BLOCKER_LEN]
         if times:
             t = sorted(times)[len(times) // 2]
-            self.blocker_len = max(BLOCKER_LEN, min(self.s.max_model_len - 1,
+            self.blocker_len = max(BLOCKER_LEN, min(self.s.max_model_len - 1, self.s.max_num_batched_tokens,
                                                     int(BLOCKER_LEN * BLOCKER_TARGET_S / max(t, 1e-4))))
             self.log(f"blocker: {BLOCKER_LEN} tokens took {1e3 * t:.1f} ms; using {self.blocker_len} tokens")
 

@@ -45,6 +45,20 @@ def test_builtin_grids_fit_the_engine_and_cover_every_kind(name):
     assert len(G.build("quick")) < len(G.build("full"))
 
 
+def test_a_step_budget_keeps_only_the_points_that_fit_it():
+    """--max-num-batched-tokens: profile at the budget the workers serve with (vLLM's API
+    server default); points that need a bigger step are skipped, the budget is used as is."""
+    pts = G.build("full", max_model_len=2048, block_size=128, seed=0)
+    keep, skipped = G.within_budget(pts, 2048)
+    assert skipped and all(p.step_tokens > 2048 for p in skipped)
+    assert all(p.step_tokens <= 2048 for p in keep) and len(keep) + len(skipped) == len(pts)
+    assert {p.kind for p in keep} == {"prefill", "decode", "mixed"}
+    tokens, seqs = G.engine_limits(keep, 2048, 2048)
+    assert tokens == 2048 and seqs > max(p.num_seqs for p in keep)
+    with pytest.raises(G.GridError, match="no grid point fits"):
+        G.within_budget(pts, 8)
+
+
 def test_builtin_grid_scales_with_context_and_block_size():
     pts = G.build("full", max_model_len=1024, block_size=96, seed=0)
     assert max(p.max_request_len for p in pts) <= 1024
