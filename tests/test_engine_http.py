@@ -1,6 +1,9 @@
 """The scheduler plugin behind vLLM's HTTP server (`python -m proserve.prefill --colocated`):
 bad per-request parameters are answered 400 before anything is queued, good
-ones are served, and the plugin's metrics are on the worker's /metrics."""
+ones are served, and the plugin's metrics are on the worker's /metrics.
+
+The worker is the session's shared colocated worker (tests/conftest.py), with a step
+record: a test reads the steps of its own requests (those recorded after it began)."""
 
 from __future__ import annotations
 
@@ -10,23 +13,16 @@ import urllib.request
 
 import pytest
 
-from pd_helpers import ROOT, Worker, free_port
+from pd_helpers import ROOT
 
 pytestmark = pytest.mark.vllm
 MODEL = str(ROOT / "prefill" / "models" / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine_http")
-    w = Worker("prefill", free_port(), tmp / "w.log",
-               ["--colocated", "--block-size", "32", "--cpu-bind", "0", "--record-steps", str(tmp / "steps.jsonl")])
-    try:
-        w.wait_healthy()
-        w.steps = tmp / "steps.jsonl"
-        yield w
-    finally:
-        w.stop()
+def worker(shared_colocated):
+    """The shared colocated worker (SlideBatching plugin, --record-steps), idle."""
+    return shared_colocated
 
 
 def post(w, body: dict) -> tuple[int, dict]:
@@ -63,17 +59,18 @@ def test_bad_params_are_rejected_before_queueing(worker, xargs, msg):
 
 
 def test_good_params_are_served_and_scheduled(worker):
+    first = len(steps(worker))       # the steps before this test are other tests' (shared worker)
     status, out = post(worker, body({"priority_class": "high", "ttft_slo": 0.5, "tpot_slo": 0.05}, n=77))
     assert status == 200, out
     assert len(out["choices"][0]["token_ids"]) == 4
-    adm = [a for s in steps(worker) for a in s["admitted"] if a[2] == 77]
+    adm = [a for s in steps(worker)[first:] for a in s["admitted"] if a[2] == 77]
     assert len(adm) == 1 and adm[0][1] == "high"
     # the policy heard of the request's end, with all its tokens counted
-    fin = [f for s in steps(worker) for f in s.get("finished", []) if f[0] == adm[0][0]]
+    fin = [f for s in steps(worker)[first:] for f in s.get("finished", []) if f[0] == adm[0][0]]
     assert fin == [[adm[0][0], 4]]
     status, out = post(worker, body({}, n=78))          # no class: the default (lowest-weight) class
     assert status == 200
-    adm = [a for s in steps(worker) for a in s["admitted"] if a[2] == 78]
+    adm = [a for s in steps(worker)[first:] for a in s["admitted"] if a[2] == 78]
     assert adm[0][1] == "low"
 
 

