@@ -339,8 +339,9 @@ class ProServeScheduler(Scheduler):
         if last is not None:
             t_end, prefills, decodes, sched_s, admitted, scheduled = last
             t_real = t_real_end - t_end
-            est = self.estimator.batch(prefills, decodes)   # what the step was expected to take
-            beta = self.host.observe(t_real, prefills, decodes, now)   # the online correction (§4.1)
+            t_model = self.estimator.model.batch_time(prefills, decodes)   # priced once (Eq. 5-7)
+            est = self.estimator.corrected(t_model)      # what the step was expected to take
+            beta = self.host.observe_run(t_real, t_model, now)   # the online correction (§4.1)
             self.metrics.step(t_real, est, beta, sched_s)
             if self._record is not None:
                 self._record.write(json.dumps({

@@ -147,8 +147,8 @@ class LocalHost:
         return self.est.observe(t_real, prefills, decodes, end)
 
     def observe_run(self, t_real: float, t_model: float, end: float, steps: int = 1) -> float:
-        """A run of ``steps`` steps took ``t_real`` seconds where the uncorrected model predicts
-        ``t_model`` (the simulator's macro-steps); returns β."""
+        """A run of ``steps`` steps (one engine step, or a simulator macro-step) took ``t_real``
+        seconds where the uncorrected model predicts ``t_model``; returns β."""
         return self.est.observe_time(t_real, t_model, end, steps)
 
     def batch_done(self, plan: BatchPlan, now: float) -> None:
