@@ -33,20 +33,33 @@ def engine_args(model: str, dump: Path, *more: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """One prefill worker and two decode workers on one checkpoint: "decode" loads the KV
+    as sent; "corrupt" (listening on "corrupt_listen") corrupts the KV it loads (the
+    connector's debug_corrupt=flip hook), for test_corrupted_kv_changes_the_output. The three start together (their
+    start-ups overlap on the two cores)."""
     tmp = tmp_path_factory.mktemp("pd")
     model = str(make_checkpoint(tmp / "ckpt"))
     dump = tmp / "dump"
     listen = f"tcp://127.0.0.1:{free_port()}"
-    p = Worker("prefill", free_port(), tmp / "prefill.log", engine_args(model, dump, "--cpu-bind", "0"))
-    d = Worker("decode", free_port(), tmp / "decode.log",
-               engine_args(model, dump, "--cpu-bind", "1", "--kv-listen", listen))
+    corrupt_listen = f"tcp://127.0.0.1:{free_port()}"
+    workers = []
     try:
-        p.wait_healthy()
-        d.wait_healthy()
-        yield {"prefill": p, "decode": d, "model": model, "listen": listen, "dump": dump, "tmp": tmp}
+        p = Worker("prefill", free_port(), tmp / "prefill.log", engine_args(model, dump, "--cpu-bind", "0"))
+        workers.append(p)
+        d = Worker("decode", free_port(), tmp / "decode.log",
+                   engine_args(model, dump, "--cpu-bind", "1", "--kv-listen", listen))
+        workers.append(d)
+        bad = Worker("decode", free_port(), tmp / "corrupt.log",
+                     engine_args(model, dump, "--cpu-bind", "0", "--kv-listen", corrupt_listen,
+                                 "--kv-extra", "debug_corrupt=flip"))
+        workers.append(bad)
+        for w in workers:
+            w.wait_healthy()
+        yield {"prefill": p, "decode": d, "model": model, "listen": listen, "dump": dump, "tmp": tmp,
+               "corrupt": bad, "corrupt_listen": corrupt_listen}
     finally:
-        p.stop()
-        d.stop()
+        for w in workers:
+            w.stop()
 
 
 def prompts(n: int = 22, seed: int = 1) -> list[list[int]]:
@@ -116,29 +129,19 @@ def test_kv_comparison_detects_a_corrupted_or_misplaced_block(cluster):
     assert kv_mismatches(sent, swapped) == [(1, 2), (1, 4)]
 
 
-def test_corrupted_kv_changes_the_output(tmp_path):
+def test_corrupted_kv_changes_the_output(cluster):
     """An engine fed a corrupted KV block generates different tokens, so the
     token-for-token comparison above catches corruption. (A *misplaced* block is
     invisible in the tokens: the decode queries attend to every prompt key, and
     attention is invariant to permuting keys with their values, RoPE being baked
     into K. The byte comparison catches that case; see the test above.)"""
-    model = str(make_checkpoint(tmp_path / "ckpt"))
-    dump = tmp_path / "dump"
-    listen = f"tcp://127.0.0.1:{free_port()}"
-    p = Worker("prefill", free_port(), tmp_path / "p.log", engine_args(model, dump, "--cpu-bind", "0"))
-    d = Worker("decode", free_port(), tmp_path / "d.log",
-               engine_args(model, dump, "--cpu-bind", "1", "--kv-listen", listen, "--kv-extra", "debug_corrupt=flip"))
-    try:
-        p.wait_healthy()
-        d.wait_healthy()
-        prompt = prompts()[10]  # 250 tokens
-        alone = complete(d.url, model, prompt, 12)["choices"][0]["token_ids"]
-        got, _ = pd_generate(p, d, model, prompt, 12, "flipped", listen)
-        assert assembled(dump, "flipped", "recv"), "the decode engine must have loaded the (corrupted) KV"
-        assert got != alone
-    finally:
-        p.stop()
-        d.stop()
+    c = cluster
+    p, d, model, dump = c["prefill"], c["corrupt"], c["model"], c["dump"]
+    prompt = prompts()[10]  # 250 tokens
+    alone = complete(d.url, model, prompt, 12)["choices"][0]["token_ids"]
+    got, _ = pd_generate(p, d, model, prompt, 12, "flipped", c["corrupt_listen"])
+    assert assembled(dump, "flipped", "recv"), "the decode engine must have loaded the (corrupted) KV"
+    assert got != alone
 
 
 def test_kv_that_never_arrives_falls_back_to_recompute(cluster):
