@@ -9,6 +9,10 @@ through it with API keys; scripts/stop_cluster.sh stops it all.
   4xx and the cluster keeps serving; the cluster stops cleanly.
 * 1P2D: a decode worker killed (SIGKILL) during a run: its requests end with
   errors or are retried, later requests go to the survivor, nothing hangs.
+
+Each test has its own cluster. The 1P2D one is launched in the background as soon as the
+1P1D one is healthy (fixture `cluster_1p2d`), so that its start-up overlaps the 1P1D
+test's run instead of following it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,6 +75,41 @@ class Cluster:
                               capture_output=True, text=True, timeout=300)
 
 
+class _Pending:
+    """A cluster launched in a background thread (start()), waited for by get()."""
+
+    def __init__(self, tmp: Path, decodes: int):
+        self.tmp, self.decodes = tmp, decodes
+        self.pool = ThreadPoolExecutor(1)
+        self.future = None
+
+    def start(self) -> None:
+        if self.future is None:
+            self.future = self.pool.submit(Cluster, self.tmp, self.decodes)
+
+    def get(self) -> Cluster:
+        self.start()
+        return self.future.result(timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def cluster_1p2d(request, tmp_path_factory):
+    """The kill test's 1P2D cluster, launched early by the 1P1D test where both run. The
+    test stops it; one still running at the end of the module is stopped here."""
+    pending = _Pending(tmp_path_factory.mktemp("e2e_1p2d"), decodes=2)
+    pending.wanted = any(item.originalname == "test_killed_decode_worker_fails_or_retries_its_requests_and_nothing_hangs"
+                         for item in request.session.items)
+    yield pending
+    if pending.future is not None:
+        try:
+            c = pending.future.result(timeout=1200)
+        except Exception:
+            c = None                      # its launch failed: launch_cluster.sh stopped what it started
+        if c is not None and (c.run / "pids").exists():
+            c.stop()
+    pending.pool.shutdown()
+
+
 def post(url: str, body, key: str | None = "sk-e2e-high-0001", raw: bytes | None = None) -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
@@ -101,8 +141,10 @@ def loadgen(c: Cluster, out: Path, n: int, rate: float, *extra: str, timeout: fl
         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def test_cluster_serves_100_mixed_priority_requests_and_stops_cleanly(tmp_path):
+def test_cluster_serves_100_mixed_priority_requests_and_stops_cleanly(tmp_path, cluster_1p2d):
     c = Cluster(tmp_path)
+    if cluster_1p2d.wanted:
+        cluster_1p2d.start()              # the next test's cluster starts while this one serves
     stopped = False
     try:
         p = loadgen(c, tmp_path / "lg", 100, 4.0, "--stream-fraction", "0.5", "--no-plots")
@@ -193,16 +235,20 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_decode_worker_fails_or_retries_its_requests_and_nothing_hangs(tmp_path):
-    c = Cluster(tmp_path, decodes=2)
+def test_killed_decode_worker_fails_or_retries_its_requests_and_nothing_hangs(tmp_path, cluster_1p2d):
+    c = cluster_1p2d.get()
     try:
         lg = subprocess.Popen(
             [sys.executable, "-m", "proserve.bench.loadgen", "--url", c.url, "--api", "proserve", "--keys", str(c.keys),
              "--num-requests", "80", "--rate", "4", "--prompt-div", "4", "--output-div", "2", "--max-prompt", "1024",
              "--out", str(tmp_path / "lg"), "--quiet", "--no-plots"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(6)
-        pid, _ = c.worker("decode", 0)
+        pid, d0 = c.worker("decode", 0)
+        # kill it while it serves: once it has a request running (bounded wait)
+        deadline = time.monotonic() + 120
+        while sum(v for k, v in metrics(d0).items() if k.startswith("vllm:num_requests_running")) < 1:
+            assert time.monotonic() < deadline and lg.poll() is None, "no request reached decode worker 0"
+            time.sleep(0.2)
         os.killpg(pid, signal.SIGKILL)       # the worker and its engine processes, no goodbye
         killed_at = time.time()
         out, _ = lg.communicate(timeout=600)  # nothing hangs: the run ends
