@@ -7,12 +7,26 @@
 """
 
 from .traces import (
-    FORMATS, TraceError, TraceRecord, load_azure, load_burstgpt, load_mooncake, load_sharegpt,
-    load_trace, sniff_format,
+    FORMATS,
+    TraceError,
+    TraceRecord,
+    load_azure,
+    load_burstgpt,
+    load_mooncake,
+    load_sharegpt,
+    load_trace,
+    sniff_format,
 )
 from .workloads import (
-    ARRIVALS, LengthDist, assign_arrivals, build_workload, fit_to_context, poisson_arrivals,
-    scale_to_rate, synthetic, tag_priorities,
+    ARRIVALS,
+    LengthDist,
+    assign_arrivals,
+    build_workload,
+    fit_to_context,
+    poisson_arrivals,
+    scale_to_rate,
+    synthetic,
+    tag_priorities,
 )
 
 __all__ = [

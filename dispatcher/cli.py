@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
+
     from .server import uvicorn_config
     app = create_app(d, wait_s=args.wait_ready)
     logging.getLogger("proserve.dispatcher").info(

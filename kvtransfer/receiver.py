@@ -18,9 +18,23 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .auth import ServerKeys, is_loopback
-from .common import (DEFAULT_CREDIT_BYTES, DEFAULT_HOST, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S,
-                     MESSAGE_OVERHEAD, MIN_CREDIT_BYTES, MIN_MAX_MESSAGE_BYTES, Stats, TransferError,
-                     TransferTimeout, accepts_kwargs, log, log_reject, numpy_dtype, worth_logging)
+from .common import (
+    DEFAULT_CREDIT_BYTES,
+    DEFAULT_HOST,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TIMEOUT_S,
+    MESSAGE_OVERHEAD,
+    MIN_CREDIT_BYTES,
+    MIN_MAX_MESSAGE_BYTES,
+    Stats,
+    TransferError,
+    TransferTimeout,
+    accepts_kwargs,
+    log,
+    log_reject,
+    numpy_dtype,
+    worth_logging,
+)
 from .wire import DTYPES, SENDER_KINDS, WireError
 
 _POLL_MS = 100  # the receiver thread goes round its loop at least this often (heartbeat)

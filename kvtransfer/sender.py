@@ -18,10 +18,24 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .auth import ClientKeys, is_loopback
-from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_PACK_BYTES, DEFAULT_PACK_LAYER_BYTES,
-                     DEFAULT_TIMEOUT_S, MESSAGE_OVERHEAD,
-                     MIN_CREDIT_BYTES, MIN_MAX_MESSAGE_BYTES, DestinationUnavailable, Stats, TransferError,
-                     TransferTimeout, is_torch_tensor, log, log_reject, normalize_dtype)
+from .common import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_PACK_BYTES,
+    DEFAULT_PACK_LAYER_BYTES,
+    DEFAULT_TIMEOUT_S,
+    MESSAGE_OVERHEAD,
+    MIN_CREDIT_BYTES,
+    MIN_MAX_MESSAGE_BYTES,
+    DestinationUnavailable,
+    Stats,
+    TransferError,
+    TransferTimeout,
+    is_torch_tensor,
+    log,
+    log_reject,
+    normalize_dtype,
+)
 from .wire import DTYPES, RECEIVER_KINDS, WireError
 
 _INT_ONLY = {int}

@@ -218,12 +218,34 @@ Errors: ``TransferError``, ``TransferTimeout`` (also a ``TimeoutError``), ``Dest
 from __future__ import annotations
 
 from .auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
-from .common import (DEFAULT_CHUNK_BYTES, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_CREDIT_BYTES, DEFAULT_HOST,
-                     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PACK_BYTES, DEFAULT_PACK_LAYER_BYTES, DEFAULT_TIMEOUT_S,
-                     MESSAGE_OVERHEAD, DestinationUnavailable, Stats, TransferError, TransferTimeout, free_port,
-                     normalize_dtype)
-from .receiver import (DEFAULT_MAX_HELD_BYTES, DEFAULT_MAX_OPEN_TRANSFERS, DEFAULT_MAX_PEER_BYTES,
-                       DEFAULT_RESULT_TTL_S, DEFAULT_STALE_AFTER_S, ChunkData, KVReceiver, LayerData, TransferResult)
+from .common import (
+                     DEFAULT_CHUNK_BYTES,
+                     DEFAULT_CONNECT_TIMEOUT_S,
+                     DEFAULT_CREDIT_BYTES,
+                     DEFAULT_HOST,
+                     DEFAULT_MAX_MESSAGE_BYTES,
+                     DEFAULT_PACK_BYTES,
+                     DEFAULT_PACK_LAYER_BYTES,
+                     DEFAULT_TIMEOUT_S,
+                     MESSAGE_OVERHEAD,
+                     DestinationUnavailable,
+                     Stats,
+                     TransferError,
+                     TransferTimeout,
+                     free_port,
+                     normalize_dtype,
+)
+from .receiver import (
+                     DEFAULT_MAX_HELD_BYTES,
+                     DEFAULT_MAX_OPEN_TRANSFERS,
+                     DEFAULT_MAX_PEER_BYTES,
+                     DEFAULT_RESULT_TTL_S,
+                     DEFAULT_STALE_AFTER_S,
+                     ChunkData,
+                     KVReceiver,
+                     LayerData,
+                     TransferResult,
+)
 from .sender import KVSender, SendResult, plan_chunks
 from .wire import DTYPES, WireError
 

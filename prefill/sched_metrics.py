@@ -32,7 +32,6 @@ import math
 
 from prometheus_client import Counter, Gauge
 
-
 _FAMILIES: dict | None = None
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
-
 from proserve.scheduler import validate
 from proserve.scheduler.request import ConfigError, PriorityClass, Request
 from proserve.scheduler.tdg import GainConfig

@@ -13,8 +13,8 @@ skipped. The token budget is fixed (§3.2 studies EDF under a static budget):
 from __future__ import annotations
 
 from .. import validate
-from ..registry import register_local
 from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..registry import register_local
 
 
 @register_local

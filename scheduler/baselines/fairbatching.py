@@ -28,8 +28,8 @@ its share of the budget to prefills and runs after them if room is left.
 from __future__ import annotations
 
 from .. import validate
-from ..registry import register_local
 from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..registry import register_local
 
 
 @register_local

@@ -18,8 +18,8 @@ it. On a prefill-only instance there are no decodes and only step 2 runs.
 from __future__ import annotations
 
 from .. import validate
-from ..registry import register_local
 from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..registry import register_local
 
 
 @register_local

@@ -25,8 +25,8 @@ On a prefill-only instance there are no decodes, so only the prefill rule runs.
 from __future__ import annotations
 
 from .. import validate
-from ..registry import register_local
 from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ..registry import register_local
 
 
 @register_local

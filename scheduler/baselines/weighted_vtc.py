@@ -33,9 +33,9 @@ in decode steps).
 from __future__ import annotations
 
 from .. import validate
+from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 from ..registry import register_local
 from ..request import ConfigError
-from ..local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 
 @register_local

@@ -140,10 +140,10 @@ import math
 from collections.abc import Mapping
 
 from ... import validate
-from .length_bound import LengthBound
+from ...local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms
 from ...registry import register_local
 from ...request import Request
-from ...local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms
+from .length_bound import LengthBound
 
 GOODPUTS = ("tdg", "tokens")
 

@@ -57,12 +57,12 @@ import math
 from dataclasses import dataclass, field
 
 from ... import validate
-from .length_bound import LengthBound
-from .gmax import GOODPUTS, achievable_goodput
 from ...registry import register_global
 from ...request import Request
 from ...routing.base import COLOCATED, DISAGGREGATED, GlobalPolicy, PrefillInstance
 from ...routing.estimates import lag, queued_work, resolve_eta
+from .gmax import GOODPUTS, achievable_goodput
+from .length_bound import LengthBound
 
 
 @dataclass

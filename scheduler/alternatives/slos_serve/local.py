@@ -109,10 +109,18 @@ import math
 from dataclasses import dataclass, field
 
 from ... import validate
-from ...registry import register_local
-from .model import (Job, MeanOutputLen, Roofline, admit_dp, check_policy_params, default_fit_max_time,
-                                feasible_alone, line_deadline)
 from ...local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
+from ...registry import register_local
+from .model import (
+    Job,
+    MeanOutputLen,
+    Roofline,
+    admit_dp,
+    check_policy_params,
+    default_fit_max_time,
+    feasible_alone,
+    line_deadline,
+)
 
 _ONE = 1.0 - 1e-9   # one roofline token, less float noise
 MEM_GROWTH = ("peak", "horizon")

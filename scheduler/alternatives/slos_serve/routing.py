@@ -45,10 +45,18 @@ from dataclasses import dataclass, field
 
 from ... import validate
 from ...registry import register_global
-from .model import (FIT_SPAN, Job, MeanOutputLen, Roofline, admit_dp, check_policy_params,
-                                default_fit_max_time, line_deadline)
 from ...routing.base import COLOCATED, DISAGGREGATED, GlobalPolicy
 from ...routing.estimates import evaluate, queued_work, resolve_eta
+from .model import (
+    FIT_SPAN,
+    Job,
+    MeanOutputLen,
+    Roofline,
+    admit_dp,
+    check_policy_params,
+    default_fit_max_time,
+    line_deadline,
+)
 
 BACKUPS = ("first", "min_load")
 

@@ -128,10 +128,10 @@ import math
 from operator import itemgetter
 
 from ... import validate
+from ...local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 from ...registry import register_local
 from ...request import Request
 from .bins import TailGamma, boost, next_threshold, quantize
-from ...local.base import COLOCATED, BatchBuilder, BatchPlan, InstanceView, LocalPolicy
 
 A_REFS = ("arrival", "phase_entry")
 _first = itemgetter(0)
