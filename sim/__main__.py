@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from proserve.scheduler import registry
+from proserve.scheduler import registry, validate
 from proserve.scheduler.config import classes_from_dicts, default_classes, parse_key_values
 from proserve.scheduler.request import ConfigError, PriorityClass
 from proserve.scheduler.tdg import GainConfig
@@ -197,8 +196,8 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         classes = classes_from_dicts(items, f"--classes {args.classes}")
     if args.ttft_slo is not None or args.tpot_slo is not None:
         for what, v in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo)):
-            if v is not None and not (v > 0 and math.isfinite(v)):
-                raise ConfigError(f"{what} must be a finite number > 0, got {v!r}")
+            if v is not None:
+                validate.positive("", what, v)
         classes = {n: PriorityClass(n, c.weight, args.ttft_slo if args.ttft_slo is not None else c.ttft_slo,
                                     args.tpot_slo if args.tpot_slo is not None else c.tpot_slo)
                    for n, c in (classes or default_classes()).items()}
@@ -230,16 +229,16 @@ def _validate_early(spec: RunSpec) -> None:
     registry.local_policy(spec.sim.local_policy)
     registry.global_policy(spec.sim.global_policy)
     Simulator(_load_model(spec.latency_model), spec.sim, GainConfig(), spec.classes)
-    if spec.rate is not None and not spec.rate > 0:
-        raise ConfigError(f"request rate must be > 0, got {spec.rate}")
-    if spec.num_requests is not None and spec.num_requests < 0:
-        raise ConfigError(f"--num-requests must be >= 0, got {spec.num_requests}")
+    if spec.rate is not None:
+        validate.positive("", "--rate", spec.rate)
+    if spec.num_requests is not None:
+        validate.integer("", "--num-requests", spec.num_requests, 0)
     for what, v in (("--prompt-div", spec.prompt_div), ("--output-div", spec.output_div)):
-        if not (v > 0 and math.isfinite(v)):
-            raise ConfigError(f"{what} must be a finite number > 0, got {v!r}")
-    for what, v in (("--max-prompt", spec.max_prompt), ("--max-model-len", spec.max_model_len)):
-        if v is not None and v < 2 - (what == "--max-prompt"):
-            raise ConfigError(f"{what} must be >= {2 - (what == '--max-prompt')}, got {v!r}")
+        validate.positive("", what, v)
+    if spec.max_prompt is not None:
+        validate.integer("", "--max-prompt", spec.max_prompt, 1)
+    if spec.max_model_len is not None:
+        validate.integer("", "--max-model-len", spec.max_model_len, 2)
 
 
 def cmd_run(args) -> int:
@@ -279,8 +278,7 @@ def cmd_sweep(args) -> int:
         registry.global_policy(gp)
     _validate_early(specs[0])
     for sp in specs:
-        if not sp.rate > 0:
-            raise ConfigError(f"request rate must be > 0, got {sp.rate}")
+        validate.positive("", "--rates", sp.rate)
     t0 = time.perf_counter()
     jobs = max(1, args.jobs)
     if jobs == 1:
@@ -365,8 +363,8 @@ def cmd_plan(args) -> int:
     targets = pl.parse_targets(args.target, (base.classes or default_classes()).keys())
     dep = pl.parse_deployment(args.deployment) if args.deployment else pl.colocated(1)
     _validate_early(replace(base, sim=dep.apply(base.sim)))
-    if args.rate is None and args.rate_start is not None and not args.rate_start > 0:
-        raise ConfigError(f"--rate-start must be > 0, got {args.rate_start}")
+    if args.rate is None and args.rate_start is not None:
+        validate.positive("", "--rate-start", args.rate_start)
     if args.plot:
         from .report import _pyplot
         try:

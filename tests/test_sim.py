@@ -202,7 +202,7 @@ def _cli(*args):
     (["run", "--local", "bogus"], "unknown local policy 'bogus'"),
     (["run", "--local-param", "gamma=0"], "gamma must be a number > 0"),
     (["run", "--local-param", "eta=-1"], "eta must be a number > 0"),
-    (["run", "--rate", "-2"], "rate must be > 0"),
+    (["run", "--rate", "-2"], "--rate must be a number > 0"),
     (["sweep", "--rates", "1,x"], "--rates"),
     (["run", "--global-param", "alpha=2"], "alpha"),
 ])

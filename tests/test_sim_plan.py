@@ -283,7 +283,7 @@ def test_cli_plan_prints_the_table_and_the_answer(capsys, tmp_path):
     (["plan", "--deployment", "colo:2", "--target", "high:tdg>=0.9"], "expected colocated:N or disagg:P:D"),
     (["plan", "--rate", "2", "--target", "high:tdg>=0.9", "--kinds", "pd"], "unknown deployment kind 'pd'"),
     (["plan", "--rate", "2", "--target", "high:tdg>=0.9", "--seeds", "0,0"], "distinct"),
-    (["plan", "--rate", "-1", "--target", "high:tdg>=0.9"], "rate must be > 0"),
+    (["plan", "--rate", "-1", "--target", "high:tdg>=0.9"], "--rate must be a number > 0"),
 ])
 def test_cli_plan_errors_exit_2_with_a_message(capsys, argv, says):
     assert main(argv) == 2
