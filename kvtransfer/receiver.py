@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import zmq
+from proserve.scheduler import validate
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
@@ -298,15 +299,14 @@ class KVReceiver:
                  curve: ServerKeys | None = None, allow_insecure: bool = False,
                  heartbeat_path: str | os.PathLike | None = None,
                  ctx: zmq.Context | None = None, name: str | None = None):
-        if credit_bytes < MIN_CREDIT_BYTES:  # senders refuse smaller grants
-            raise ValueError(f"credit_bytes must be >= {MIN_CREDIT_BYTES}")
-        if max_message_bytes < MIN_MAX_MESSAGE_BYTES:
-            raise ValueError(f"max_message_bytes must be >= {MIN_MAX_MESSAGE_BYTES}")
-        for arg, v in (("max_message_bytes", max_message_bytes), ("max_held_bytes", max_held_bytes),
-                       ("max_peer_bytes", max_peer_bytes), ("max_open_transfers", max_open_transfers),
-                       ("stale_after_s", stale_after_s), ("result_ttl_s", result_ttl_s)):
-            if not v > 0:
-                raise ValueError(f"{arg} must be > 0, got {v!r}")
+        W = "KVReceiver"
+        validate.integer(W, "credit_bytes", credit_bytes, MIN_CREDIT_BYTES)   # senders refuse smaller grants
+        validate.integer(W, "max_message_bytes", max_message_bytes, MIN_MAX_MESSAGE_BYTES)
+        for arg, v in (("max_held_bytes", max_held_bytes), ("max_peer_bytes", max_peer_bytes),
+                       ("max_open_transfers", max_open_transfers)):
+            validate.integer(W, arg, v)
+        validate.positive(W, "stale_after_s", stale_after_s)
+        validate.positive(W, "result_ttl_s", result_ttl_s)
         if address is None:
             address = f"tcp://{DEFAULT_HOST}:{port if port else '*'}"
         if curve is None and not allow_insecure and not is_loopback(address):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
+from proserve.scheduler import validate
 from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
@@ -412,14 +413,13 @@ class KVSender:
                  breaker_cooldown_s: float = 2.0, breaker_max_cooldown_s: float = 30.0,
                  staging_slots: int = 2, curve: ClientKeys | None = None, allow_insecure_remote: bool = False,
                  ctx: zmq.Context | None = None, name: str | None = None):
-        if chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be > 0")
-        if pack_bytes < 0 or pack_layer_bytes < 0:
-            raise ValueError("pack_bytes and pack_layer_bytes must be >= 0 (0: no packing)")
+        W = "KVSender"
+        validate.integer(W, "chunk_bytes", chunk_bytes)
+        validate.integer(W, "pack_bytes", pack_bytes, 0)              # 0: no packing
+        validate.integer(W, "pack_layer_bytes", pack_layer_bytes, 0)
         for arg, v in (("timeout", timeout), ("connect_timeout", connect_timeout),
                        ("breaker_cooldown_s", breaker_cooldown_s), ("breaker_max_cooldown_s", breaker_max_cooldown_s)):
-            if not v > 0:
-                raise ValueError(f"{arg} must be > 0, got {v!r}")
+            validate.positive(W, arg, v)
         self.address = address
         self.chunk_bytes = int(chunk_bytes)
         # a pack is one message: at most chunk_bytes of payload too; a layer is packed
