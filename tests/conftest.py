@@ -40,11 +40,14 @@ def closing():
 # -- one colocated vLLM worker shared by several test files ----------------------------------------
 # Starting a vLLM CPU worker costs ~30-50 s on a 2-core machine (three processes import
 # vLLM one after the other, then the model is compiled), far more than the tests that use
-# it. tests/test_engine_http.py, test_loadgen_vllm.py and test_tiny_tokenizer.py all
+# it. tests/test_engine_http.py and test_tiny_tokenizer.py both
 # need the same thing: the bundled tiny model (with its tokenizer) behind the SlideBatching
 # plugin, colocated. They share one worker for the session (`colocated_worker`); each file
 # leaves it idle (`shared_colocated` checks it at the file's teardown), and a file reading the
 # plugin's step record reads only the steps of its own requests.
+# (tests/test_loadgen_vllm.py keeps a worker of its own: its check that tokens stream
+# rather than arrive in one burst failed beside a CPU hog per core on this worker, which
+# records its steps, and passed on its own worker, which does not.)
 #
 # Its start-up is moved ahead: it begins with the unit tests (tests without the `vllm`
 # marker) that run last before the first file needing it, on the core they leave idle,

