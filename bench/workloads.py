@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
+
 from proserve.scheduler import validate
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.request import ConfigError, PriorityClass, Request

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
 from proserve.decode.status import StatusError, free_kv_blocks
 from proserve.profiler import modelfile
 from proserve.scheduler.estimator import Estimator, OnlineCorrector

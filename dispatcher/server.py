@@ -66,12 +66,13 @@ import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
 from proserve.scheduler.host import RouterHost
 from proserve.scheduler.registry import make_global
 from proserve.scheduler.routing.base import COLOCATED
 from proserve.scheduler.tdg import slo_attained
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from .auth import Authorizer
 from .config import DispatcherConfig, KeyEntry

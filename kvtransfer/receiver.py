@@ -13,9 +13,10 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import zmq
-from proserve.scheduler import validate
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
+
+from proserve.scheduler import validate
 
 from . import wire
 from .auth import ServerKeys, is_loopback

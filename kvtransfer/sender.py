@@ -14,8 +14,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
-from proserve.scheduler import validate
 from zmq.utils.monitor import parse_monitor_message
+
+from proserve.scheduler import validate
 
 from . import wire
 from .auth import ClientKeys, is_loopback

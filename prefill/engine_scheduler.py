@@ -71,11 +71,12 @@ import logging
 import time
 from typing import Any
 
+from vllm.v1.core.sched.scheduler import Scheduler
+
 from proserve.scheduler.host import LocalHost, ViewOrder
 from proserve.scheduler.local.base import PREFILL_ONLY, InstanceView
 from proserve.scheduler.request import ConfigError, Phase
 from proserve.scheduler.request import Request as PolicyRequest
-from vllm.v1.core.sched.scheduler import Scheduler
 
 from . import vllm_shim
 from .engine_config import EngineConfig, build

@@ -44,10 +44,11 @@ from collections.abc import Iterator
 
 import vllm
 from packaging.version import InvalidVersion, Version
-from proserve.scheduler.request import ConfigError
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
+
+from proserve.scheduler.request import ConfigError
 
 #: vLLM releases the plugin is tested on: [low, high)
 SUPPORTED = ("0.32", "0.33")

@@ -98,8 +98,9 @@ class Cluster:
                 if f.is_file() and not f.name.startswith("steps-"):
                     f.unlink()
         run_dir.mkdir(parents=True, exist_ok=True)
-        common = (f"--model {args.model} --load-format dummy --classes {classes_file} --w-p {w_p!r} --latency-model {args.latency_model} "
-                  f"--block-size {args.block_size} --max-model-len {args.max_model_len}")
+        common = (f"--model {args.model} --load-format dummy --classes {classes_file} --w-p {w_p!r} "
+                  f"--latency-model {args.latency_model} --block-size {args.block_size} "
+                  f"--max-model-len {args.max_model_len}")
         pargs = f"--local-policy {policy} {common} --record-steps {run_dir}/steps-prefill.jsonl"
         cmd = ["bash", str(ROOT / "scripts/launch_cluster.sh"), "-d", str(run_dir), "-p", str(args.port),
                "--keys", str(KEYS_FILE.resolve()),
@@ -560,7 +561,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"bench_fidelity: --deployments: {d!r} is not one of {', '.join(DEPLOYMENTS)}")
     # one gain for every run: w_p from the heaviest workload (§5.1), as engine_policies does
     gain = lg.workload_gain(workload(args, max(max(rates[d]) for d in deployments), classes))
-    t0 = time.monotonic()
     if not args.sim_only:
         for d in deployments:
             for p in policies:

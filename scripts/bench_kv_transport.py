@@ -79,6 +79,7 @@ def _modes(modes: list[str], reps: int) -> list[str]:
 
 def receiver_main(addrs: dict, plan: dict, reps: int, credit: int, modes: list[str], keys: str | None, q) -> None:
     import zmq
+
     from proserve.kvtransfer.transport import KVReceiver, ServerKeys
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -117,6 +118,7 @@ def sender_main(addrs: dict, plan: dict, reps: int, chunk: int, pack: dict, mode
                 q) -> None:
     import numpy as np
     import zmq
+
     from proserve.kvtransfer.transport import ClientKeys, KVSender
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

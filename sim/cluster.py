@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+
 from proserve.scheduler import validate
 from proserve.scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
 from proserve.scheduler.host import LocalHost, RouterHost

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
 from proserve.scheduler.request import Request
 from proserve.scheduler.tdg import ClassMetrics, ClassSums, GainConfig, request_latencies, slo_attained, summarize
 

@@ -14,11 +14,11 @@ for _mod in ("httpx", "uvicorn", "fastapi", "aiohttp", "prometheus_client"):
 
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
+from pd_helpers import free_port  # noqa: E402
 
 from proserve.bench.fake_worker import FakeWorker  # noqa: E402
 from proserve.dispatcher.config import DecodeSpec, DispatcherConfig, PrefillSpec, keys_from_dict  # noqa: E402
 from proserve.dispatcher.server import Dispatcher, create_app, uvicorn_config  # noqa: E402
-from pd_helpers import free_port  # noqa: E402
 
 KEYS = {"keys": [
     {"key": "sk-high-000001", "client": "acme", "class": "high", "ttft_ms": [100, 10000], "tpot_ms": [10, 1000]},

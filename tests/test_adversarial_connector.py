@@ -148,9 +148,8 @@ def test_every_breaker_opening_reaches_the_scheduler_side():
     """The worker tells the scheduler side when a destination's breaker opens, closes
     and opens again after a failed half-open probe (a new open_until): otherwise the
     scheduler's "do not even try" entry expired after the first cooldown."""
-    from types import SimpleNamespace
-
     import time as _time
+    from types import SimpleNamespace
     state = {"state": "closed", "open_until": 0.0, "last_error": None}
     told = []
     c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # producer worker side only

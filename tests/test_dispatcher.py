@@ -8,9 +8,9 @@ import asyncio
 import json
 
 import pytest
+from dispatcher_helpers import KEYS, harness, metric, run
 
 from proserve.dispatcher.config import ConfigError, config_from_dict, keys_from_dict, load_config
-from dispatcher_helpers import KEYS, harness, metric, run
 from proserve.scheduler.config import default_classes
 
 PROMPT = list(range(1, 41))

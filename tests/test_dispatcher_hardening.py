@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import json
 import logging
+import os
 import re
 
 import aiohttp

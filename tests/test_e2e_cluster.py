@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from pd_helpers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow]

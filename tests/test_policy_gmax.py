@@ -20,11 +20,11 @@ import time
 import pytest
 
 from proserve.scheduler import ConfigError, Estimator, LatencyModel, Request, make_global, make_local
-from proserve.scheduler.estimator import OnlineCorrector
-from proserve.scheduler.alternatives.jitserve.length_bound import LengthBound
-from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
 from proserve.scheduler.alternatives.jitserve.gmax import achievable_goodput, gmax_select
+from proserve.scheduler.alternatives.jitserve.length_bound import LengthBound
 from proserve.scheduler.alternatives.jitserve.metrics import on_time_tokens, token_goodput
+from proserve.scheduler.estimator import OnlineCorrector
+from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
 from proserve.scheduler.request import Phase
 from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance, PrefillQueueMap
 from proserve.scheduler.tdg import GainConfig as _G  # TDG, for the comparison with JITServe goodput

@@ -20,14 +20,30 @@ import random
 
 import pytest
 
-from proserve.scheduler import (ConfigError, Estimator, GainConfig, LatencyModel, Phase, PriorityClass, Request, make_global,
-                       make_local)
+from proserve.scheduler import (
+    ConfigError,
+    Estimator,
+    GainConfig,
+    LatencyModel,
+    Phase,
+    PriorityClass,
+    Request,
+    make_global,
+    make_local,
+)
+from proserve.scheduler.alternatives.slos_serve import metrics as pm
+from proserve.scheduler.alternatives.slos_serve.model import (
+    Job,
+    Roofline,
+    admit_dp,
+    decode_tokens,
+    feasible_alone,
+    greedy_admit,
+    samples_from_batches,
+)
 from proserve.scheduler.estimator import BatchSample
 from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
-from proserve.scheduler.alternatives.slos_serve import metrics as pm
 from proserve.scheduler.routing.base import PrefillInstance, PrefillQueueMap
-from proserve.scheduler.alternatives.slos_serve.model import (Job, Roofline, admit_dp, decode_tokens, feasible_alone, greedy_admit,
-                                        samples_from_batches)
 
 FIG3 = LatencyModel(a_p=0.0, b_p=0.0, c_p=1 / 6, a_d=0.0, b_d=1 / 6, t_c=0.0)
 FIG3_CLASSES = {"x": PriorityClass("x", 1.0, 6.0, 1.0)}

@@ -18,11 +18,20 @@ import numpy as np
 import pytest
 
 from proserve.scheduler import ConfigError, Estimator, LatencyModel, Request, local_names, make_local
-from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
+from proserve.scheduler.alternatives.uniboost.bins import (
+    LN5,
+    LN_99_95,
+    TailGamma,
+    boost,
+    empirical_quantile,
+    next_threshold,
+    percentile,
+    quantize,
+    revision_bound,
+)
 from proserve.scheduler.alternatives.uniboost.metrics import p99_ttlt, ttlt, ttlt_stats
+from proserve.scheduler.local import COLOCATED, PREFILL_ONLY, InstanceView
 from proserve.scheduler.request import Phase
-from proserve.scheduler.alternatives.uniboost.bins import (LN5, LN_99_95, TailGamma, boost, empirical_quantile, next_threshold,
-                                     percentile, quantize, revision_bound)
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=1e-2)
 

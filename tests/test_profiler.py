@@ -17,8 +17,17 @@ from proserve.profiler import grid as G
 from proserve.profiler import modelfile
 from proserve.profiler.__main__ import main
 from proserve.profiler.fit import FitError, Sample, aggregate, fit, format_report, plot, point_kinds, split
-from proserve.profiler.record import (Measurement, RecordError, RecordReader, Step, classify, load_samples, parse_line,
-                             read_samples, write_samples)
+from proserve.profiler.record import (
+    Measurement,
+    RecordError,
+    RecordReader,
+    Step,
+    classify,
+    load_samples,
+    parse_line,
+    read_samples,
+    write_samples,
+)
 from proserve.scheduler.estimator import COEFFS, LatencyModel
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,8 +16,7 @@ import pytest
 from proserve.scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request, make_global
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.registry import global_names
-from proserve.scheduler.routing.base import (COLOCATED, DISAGGREGATED, DecodeInstance, PrefillInstance,
-                                    PrefillQueueMap)
+from proserve.scheduler.routing.base import COLOCATED, DISAGGREGATED, DecodeInstance, PrefillInstance, PrefillQueueMap
 from proserve.scheduler.routing.estimates import estimate_exec, estimate_gain, evaluate
 from proserve.scheduler.routing.go_routing import GoRouting
 

@@ -260,8 +260,8 @@ def test_decode_backpressure_stalls_prefill_without_failing():
 def test_policies_hear_of_every_finished_request_once(deployment, monkeypatch):
     """on_request_finished reaches the prefilling instance's policy and the router,
     once per request, at its last token's time (policies that learn lengths need it)."""
-    from proserve.scheduler.local.slide_batching import SlideBatching
     from proserve.scheduler.baselines.round_robin import RoundRobin
+    from proserve.scheduler.local.slide_batching import SlideBatching
     seen_local, seen_global = [], []
     monkeypatch.setattr(SlideBatching, "on_request_finished",
                         lambda self, r, now: seen_local.append((r.id, now, r.num_emitted)), raising=False)

@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from pd_helpers import ROOT
 
 MODEL_DIR = ROOT / "prefill" / "models" / "tiny-llama"

@@ -12,9 +12,22 @@ import numpy as np
 import pytest
 
 from proserve.bench import (
-    LengthDist, TraceError, TraceRecord, assign_arrivals, build_workload, fit_to_context,
-    load_azure, load_burstgpt, load_mooncake, load_sharegpt, load_trace, poisson_arrivals,
-    scale_to_rate, sniff_format, synthetic, tag_priorities,
+    LengthDist,
+    TraceError,
+    TraceRecord,
+    assign_arrivals,
+    build_workload,
+    fit_to_context,
+    load_azure,
+    load_burstgpt,
+    load_mooncake,
+    load_sharegpt,
+    load_trace,
+    poisson_arrivals,
+    scale_to_rate,
+    sniff_format,
+    synthetic,
+    tag_priorities,
 )
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.request import ConfigError, PriorityClass, Request

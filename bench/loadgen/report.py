@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+
 from proserve.scheduler.request import ConfigError, Request
 from proserve.scheduler.tdg import GainConfig
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
+
 from proserve.scheduler.request import Phase, Request
 from proserve.scheduler.tdg import GainConfig, slo_attained, summarize
 

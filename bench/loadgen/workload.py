@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+
 from proserve.scheduler import validate
 from proserve.scheduler.request import ConfigError, PriorityClass, Request
 from proserve.scheduler.tdg import GainConfig
