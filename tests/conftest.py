@@ -1,14 +1,6 @@
 import importlib.util
-import os
 
 import pytest
-
-# vLLM's own CPU-CI switch, inherited by every engine the tests start (in-process or as workers):
-# the model runs traced but eager (no Inductor compile) and skips the warm-up, which cuts a
-# worker's start-up from ~44 s to ~26 s here. The tests check ProServe's decisions and protocol,
-# not Inductor's kernels; PROSERVE_TEST_COMPILE=1 runs them with the production compile path.
-if os.environ.get("PROSERVE_TEST_COMPILE") != "1":
-    os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 from proserve.scheduler import Request
 
