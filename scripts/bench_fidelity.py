@@ -23,7 +23,7 @@ rate, it
 
 The targets (issue 12): ≤ 10 % relative error on P50 and P90 latencies and
 TDG_Ratio within 0.03. Rows that miss are marked. Run it on a quiet machine
-(it measures time); it takes about 40 minutes with the defaults. Outputs go to
+(it measures time); it takes about 45 minutes with the defaults. Outputs go to
 ``--out`` (per run: requests.jsonl + summary.json of the real run, the
 simulated records, worker logs and step records) and the table to ``--table``.
 """
@@ -497,8 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--deployments", default="colocated,1p1d", help="comma-separated: colocated, 1p1d")
     ap.add_argument("--policies", default="slide_batching,vllm_fcfs,sarathi_fcfs",
                     help="local policies (registry names) run in the real workers and the simulator")
-    ap.add_argument("--rates-colocated", default="3.5,8,12", help="req/s: light, near capacity, overload")
-    ap.add_argument("--rates-1p1d", default="4,8,16", help="req/s for 1P1D")
+    ap.add_argument("--rates-colocated", default="4,8,10,14",
+                    help="req/s, light to overload (default: docs/fidelity.md's, for the scaled model here)")
+    ap.add_argument("--rates-1p1d", default="6,14,20,28", help="req/s for 1P1D (default: docs/fidelity.md's)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of trace per rate")
     ap.add_argument("--model", default="scaled",
                     help="model directory every worker serves, or 'scaled' (default): the tiny Llama "
