@@ -9,7 +9,15 @@ Two deployments, the ones the paper evaluates:
   and D decode instances (continuous batching of every running decode). A
   finished prefill emits the first token, then its KV cache moves to the decode
   instance chosen at dispatch, taking ``kv_len · kv_bytes_per_token /
-  kv_bandwidth`` seconds, once that instance has blocks for it.
+  kv_bandwidth`` seconds, once that instance has blocks for it. With
+  ``first_token="decode"`` (what ProServe's dispatcher and vLLM do) the decode
+  instance emits every output token instead, and KV that reaches it while it
+  steps loads during its next step (vLLM's asynchronous KV load).
+
+What the real cluster adds around the engines (HTTP hops before the queue, the
+hand-off between prefill and decode, the way back to the client) is
+``dispatch_delay``, ``handoff_delay`` and ``stream_delay``;
+``scripts/bench_fidelity.py`` measures them (docs/fidelity.md).
 
 Step times come from a latency model (Eq. 4-7), optionally with multiplicative
 log-normal noise, and optionally from a *different* "true" model than the one
