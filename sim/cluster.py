@@ -484,15 +484,16 @@ class Simulator:
                 inst.decoding.append(r)
             return
         # disaggregated: KV moves to the decode instance picked at dispatch
+        held = inst.blocks_held(r)   # before a hand-off shortens kv_len: these are what r holds here
         if self.cfg.first_token == "decode":
             r.hand_off()   # the decode instance emits every output token
         if r.phase is Phase.DONE:
-            inst.free_blocks += inst.blocks_held(r)
+            inst.free_blocks += held
             self._finished(r, now)
             return
         inst.admitted.pop(r.id, None)
         dec = self.decoders[self._decode_target[r.id]]
-        self._kv_source[r.id] = inst  # its blocks are freed once the decode side has the KV
+        self._kv_source[r.id] = (inst, held)  # freed once the decode side has the KV
         dec.pending_kv.append(r)
         self._admit_kv(dec, now)
 
@@ -505,6 +506,7 @@ class Simulator:
             if need + len(dec.decoding) > dec.free_blocks:
                 if not dec.decoding and need > dec.total_blocks:
                     dec.pending_kv.pop(0)
+                    self._release_source(r, now)
                     self._fail(r, "KV cache larger than a decode instance", now)
                     continue
                 break
@@ -514,12 +516,17 @@ class Simulator:
             dt += self.cfg.handoff_delay
             self._push(now + dt, _KV_ARRIVED, (dec, r))
 
-    def _on_kv_arrived(self, dec: _Instance, r: Request, now: float) -> None:
+    def _release_source(self, r: Request, now: float) -> None:
+        """The prefill instance that held ``r``'s KV for the transfer gets its blocks back."""
         src = self._kv_source.pop(r.id, None)
         if src is not None:
-            src.free_blocks += src.blocks_held(r)
-            if src.waiting:
-                self._wake(src, now)
+            inst, held = src
+            inst.free_blocks += held
+            if inst.waiting:
+                self._wake(inst, now)
+
+    def _on_kv_arrived(self, dec: _Instance, r: Request, now: float) -> None:
+        self._release_source(r, now)
         if self.cfg.first_token == "decode" and dec.busy:
             # vLLM loads received KV asynchronously: during the decode instance's next step,
             # and the request computes (its first token) in the step after
