@@ -57,21 +57,6 @@ COLOCATED_USERS = "colocated_worker"
 _shared: dict = {}
 
 
-def _latency_model_args(tmp) -> list[str]:
-    """The plugin's default latency model; until the profiled one is committed, a
-    stand-in of the same format (coefficients fitted to this engine's step records)."""
-    import json
-    from pathlib import Path
-    default = Path(__file__).resolve().parent.parent / "profiler" / "models" / "tiny-llama-cpu.json"
-    if default.exists():
-        return []
-    p = tmp / "latency.json"
-    p.write_text(json.dumps({"format": "proserve-latency-model/1", "coefficients": {
-        "a_p": 8.7e-9, "b_p": 7.6e-8, "c_p": 2.9e-4, "a_d": 1.5e-7, "b_d": 3.7e-4, "t_c": 1.6e-3},
-        "metadata": {"note": "stand-in for the shared test worker"}}))
-    return ["--latency-model", str(p)]
-
-
 def _start_colocated():
     import tempfile
     from pathlib import Path
@@ -80,7 +65,7 @@ def _start_colocated():
     tmp = Path(tempfile.mkdtemp(prefix="proserve-test-colocated-"))
     w = Worker("prefill", free_port(), tmp / "w.log",
                ["--colocated", "--block-size", "32", "--cpu-bind", "0", "--record-steps", str(tmp / "steps.jsonl"),
-                *_latency_model_args(tmp), "--", "--no-enable-prefix-caching"])
+                "--", "--no-enable-prefix-caching"])
     w.steps = tmp / "steps.jsonl"
     return w
 

