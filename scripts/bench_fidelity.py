@@ -343,23 +343,16 @@ class KindModel:
         return self.batch_time(sample.prefills, sample.decodes)
 
 
-HOLDOUT = "policy"
-
-
 def served_model(out: Path, deployment: str, policy: str, policies: list[str], rates: list[float],
-                 role: str, base, held_rate: float | None = None) -> tuple:
+                 role: str, base) -> tuple:
     """The 'served' truth, fitted on the served step times of the other policies' runs (held
     out by policy: the runs a simulated row is compared with do not enter its model)."""
     from proserve.scheduler.estimator import LatencyModel
     samples = []
     for other in policies:
-        if other == policy and len(policies) > 1 and HOLDOUT == "policy":
-            continue
-        if other != policy and HOLDOUT == "rate":
+        if other == policy and len(policies) > 1:
             continue
         for rate in rates:
-            if HOLDOUT == "rate" and rate == held_rate:
-                continue
             summ = json.loads((out / deployment / other / f"rate{rate:g}" / "real" / "summary.json").read_text())
             t0 = summ["t0_unix"]
             samples += served_samples(out / deployment / other / "run" / f"steps-{role}.jsonl",
