@@ -474,6 +474,11 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"gamma": 0.0}, "gamma"),
     ("slide_batching", {"eta": -0.1}, "eta"),
     ("slide_batching", {"phi": "x"}, "phi"),
+    ("slide_batching", {"headroom": 1.0}, "headroom"),
+    ("slide_batching", {"headroom": -0.1}, "headroom"),
+    ("slide_batching", {"age_limit": 0.0}, "age_limit"),
+    ("slide_batching", {"age_share": 0.0}, "age_share"),
+    ("slide_batching", {"age_share": 1.5}, "age_share"),
     ("wo_latency_aware", {"token_budget": 0}, "token_budget"),
     ("sarathi_fcfs", {"chunk": 3}, "chunk"),
 ])
@@ -604,6 +609,63 @@ def test_slide_high_load_urgent_by_density():
     lo1, lo2, hi = _high_load_queue()
     plan = policy("slide_batching").schedule(view([lo1, lo2, hi]))
     assert chunks(plan) == [("hi", 50), ("lo1", 440)]
+
+
+def test_slide_headroom_lowers_the_budget_and_its_floor():
+    # the shared queue: min remain 0.15, η 0.1. headroom h = 0.2 plans each step h·η = 0.02 s
+    # before the tightest deadline: max(0.15 - 0.02, 0.8·0.1) = 0.13
+    d1, w1, w2 = _alg1_queue()
+    plan = policy("slide_batching", headroom=0.2).schedule(view([w1, w2], [d1]))
+    assert plan.info.t_budget == pytest.approx(0.13)
+    assert plan.info.est_time <= 0.13 + 1e-12
+    # every deadline passed: the floor drops to (1 - h)·η = 0.08
+    late = wait("late", -5.0, 10)
+    assert policy("slide_batching", headroom=0.2).schedule(view([late])).info.t_budget == pytest.approx(0.08)
+    # h = 0 is Algorithm 1 as written
+    assert policy("slide_batching", headroom=0.0).schedule(view([w1, w2], [d1])).info.t_budget == pytest.approx(0.15)
+
+
+def _starving_queue():
+    # prefill-only, now = 0, η = 0.1:
+    #   old: low, arrival -3 (waited 3 s = 3·TTFT_SLO), prompt 500 -> remain -2, exec 0.5, density 2
+    #   hi2: high, arrival -0.5, prompt 300 -> remain 0.5, exec 0.3, density 6.67
+    #   hi1: high, arrival 0, prompt 50 -> remain 1.0
+    # t_budget = max(-2, 0.1) = 0.1; φ_p = 0.85 + 3·0.01 = 0.88: old and hi2 URGENT, hi1 NORMAL
+    return wait("old", -3.0, 500), wait("hi2", -0.5, 300, prio="high"), wait("hi1", 0.0, 50, prio="high")
+
+
+def test_slide_without_aging_a_low_density_request_gets_nothing():
+    old, hi2, hi1 = _starving_queue()
+    plan = policy("slide_batching").schedule(view([old, hi2, hi1], mode=PREFILL_ONLY))
+    assert urgent(plan) == {"old": True, "hi2": True, "hi1": False}
+    # hi2 (density 6.67) takes the whole 0.1 s budget: (0.1 - 0.01)/1 ms = 90 tokens
+    assert chunks(plan) == [("hi2", 90)]
+
+
+def test_slide_aged_request_runs_first_within_its_share():
+    old, hi2, hi1 = _starving_queue()
+    # age_limit 2: old has waited 3 s >= 2·TTFT_SLO: AGED. Share 0.5 of t_budget 0.1:
+    # old gets (0.05 - 0.01)/1 ms = 40 tokens, then Algorithm 1's order fills the rest: hi2 (0.1 - 0.05)/1 ms
+    plan = policy("slide_batching", age_limit=2.0, age_share=0.5).schedule(
+        view([old, hi2, hi1], mode=PREFILL_ONLY))
+    got = dict(chunks(plan))
+    assert next(iter(got)) == "old" and got["old"] == pytest.approx(40, abs=1)
+    assert got["hi2"] == pytest.approx(50, abs=1) and "hi1" not in got
+    assert plan.info.est_time <= plan.info.t_budget + 1e-12
+    # not aged yet at age_limit 4 (3 s < 4 s): the plan of Algorithm 1
+    plan = policy("slide_batching", age_limit=4.0).schedule(view([old, hi2, hi1], mode=PREFILL_ONLY))
+    assert chunks(plan) == [("hi2", 90)]
+
+
+def test_slide_aged_requests_oldest_first_and_leftover_budget_is_theirs():
+    # two aged requests, nothing else: the older first; the share caps only what goes
+    # *before* Algorithm 1's order, so when nobody else wants the budget the aged use all of it
+    a = wait("a", -3.0, 30)
+    b = wait("b", -4.0, 500)
+    plan = policy("slide_batching", age_limit=2.0, age_share=0.5).schedule(view([a, b], mode=PREFILL_ONLY))
+    got = chunks(plan)
+    assert got[0][0] == "b"
+    assert sum(n for _, n in got) == pytest.approx(90, abs=2)      # (0.1 - 0.01)/1 ms in all
 
 
 def test_ablations_on_the_high_load_queue():

@@ -172,6 +172,27 @@ class BatchBuilder:
         self.tokens += n
         return n
 
+    def grow_prefill(self, req: Request, left: float) -> int:
+        """Grow ``req``'s chunk already in the batch (in place) by what ``left`` more
+        seconds and the free blocks allow (GETMAXCHUNK on the whole chunk). Returns the
+        tokens added."""
+        for k, (r, n) in enumerate(self.plan.prefill):
+            if r is req:
+                bs = self.view.block_size
+                old_cost = self.est.prefill(n, req.kv_len)
+                m = min(self.est.get_max_chunk(req.kv_len, req.remaining_prefill, old_cost + left),
+                        req.remaining_prefill)
+                while m > n and blocks_for(req, m, bs) - blocks_for(req, n, bs) > self.free_blocks:
+                    m = n + (m - n) // 2     # memory short: a smaller growth
+                if m <= n:
+                    return 0
+                self.free_blocks -= blocks_for(req, m, bs) - blocks_for(req, n, bs)
+                self.plan.prefill[k] = (req, m)
+                self.time += self.est.prefill(m, req.kv_len) - old_cost
+                self.tokens += m - n
+                return m - n
+        return 0
+
     def fill_tokens(self, ordered, budget: int) -> None:
         """Take requests in order until ``budget`` tokens: a prefill as many tokens as
         are left, a decode one; a request memory cannot hold is skipped."""

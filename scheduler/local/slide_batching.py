@@ -24,6 +24,25 @@ Defaults, which the paper leaves open:
   bundled model) when every deadline has already passed and min remain < 0.
 * ``phi = "auto"``: φ_a on co-located instances (the paper's choice, §4.4) and
   φ_p on prefill-only instances; ``"a"``, ``"c"`` or ``"p"`` force one.
+
+Two rules the paper does not have (issue 13; both settable, ``0`` / ``None``
+gives Algorithm 1 exactly):
+
+* ``headroom = h``: TPOT headroom. Line 7 becomes
+  ``t_budget = max(min remain − h·η, (1 − h)·η)``: each step is planned to end
+  ``h·η`` before the tightest next-token deadline, and the floor η drops by the
+  same margin. Without it a loaded instance paces decodes at exactly η (the
+  TPOT SLO): any estimate error or host overhead pushes the mean TPOT over the
+  SLO, and strict SLO attainment (mean TPOT *below* the SLO, §5.1) is lost
+  although every token meets its TDG deadline. The default is measured in
+  docs/results.md (§ "TPOT headroom").
+* ``age_limit = k``, ``age_share = ρ``: no starvation. A request that has
+  waited ``k·TTFT_SLO`` for its first token is AGED: aged requests run before
+  the sliding order, oldest first, within ``ρ·t_budget`` of each step (the rest
+  of the budget follows Algorithm 1). Below saturation an aged request's wait
+  for its first token is bounded by ``k·TTFT_SLO`` plus the prefill time of the
+  aged requests ahead of it at share ρ; past saturation at most ρ of each step
+  goes to aged requests, so density-first still governs the rest.
 """
 
 from __future__ import annotations
@@ -49,7 +68,8 @@ class SlideBatching(LocalPolicy):
     latency_aware = True
 
     def __init__(self, estimator, gain=None, classes=None, gamma: float = 1.0,
-                 eta: float | None = None, phi: str = "auto", token_budget: int | None = None):
+                 eta: float | None = None, phi: str = "auto", token_budget: int | None = None,
+                 headroom: float = 0.0, age_limit: float | None = None, age_share: float = 0.5):
         super().__init__(estimator, gain, classes)
         self.gamma = validate.positive(self.name, "gamma", gamma)
         self.eta = validate.positive(self.name, "eta", self.min_tpot_slo() if eta is None else eta)
@@ -57,6 +77,11 @@ class SlideBatching(LocalPolicy):
         if token_budget is not None:
             token_budget = validate.integer(self.name, "token_budget", token_budget)
         self.token_budget = token_budget
+        self.headroom = validate.number(self.name, "headroom", headroom, 0.0, 1.0, hi_open=True)
+        # age_limit None or inf: no aging (Algorithm 1 as written)
+        self.age_limit = math.inf if age_limit is None else validate.positive(
+            self.name, "age_limit", age_limit, allow_inf=True)
+        self.age_share = validate.number(self.name, "age_share", age_share, 0.0, 1.0, lo_open=True)
 
     # -- Alg. 1 lines 1-7 --------------------------------------------------------
     def _annotate(self, Q, now: float) -> tuple[list[float], list[float], list[float]]:
@@ -102,6 +127,16 @@ class SlideBatching(LocalPolicy):
         normal = sorted((i for i in idx if not urgent[i]), key=remains.__getitem__)
         return up + normal
 
+    def _aged(self, Q, now: float) -> list[int]:
+        """Indices of the AGED requests of ``Q`` (waited ``age_limit·TTFT_SLO`` without a
+        first token and still prefilling), oldest first."""
+        k = self.age_limit
+        if math.isinf(k):
+            return []
+        aged = [i for i, r in enumerate(Q)
+                if not r.token_times and r.prefilled < r.prefill_len and now - r.arrival >= k * r.ttft_slo]
+        return sorted(aged, key=lambda i: Q[i].arrival)
+
     def schedule(self, view: InstanceView) -> BatchPlan:
         Q = list(view.waiting)
         if view.mode == COLOCATED:
@@ -110,7 +145,8 @@ class SlideBatching(LocalPolicy):
         if not Q:
             return b.finish(t_budget=0.0)
         execs, remains, dens = self._annotate(Q, view.now)
-        t_budget = max(min(remains), self.eta)                 # lines 6-7
+        h = self.headroom
+        t_budget = max(min(remains) - h * self.eta, (1.0 - h) * self.eta)   # lines 6-7 (h = 0: as written)
         if self.ordering == "slide":
             urgent = self._mark_urgent(execs, remains, t_budget, view.mode)
         else:                                                  # the ablations of §5.4
@@ -120,11 +156,29 @@ class SlideBatching(LocalPolicy):
         n_normal = len(Q) - n_urgent
         b.plan.terms = StepTerms(Q, execs, remains, dens, urgent)
         if self.latency_aware:
-            self._fill_time(b, Q, execs, order, t_budget)
+            aged = self._aged(Q, view.now)
+            if aged:
+                order = self._fill_aged_first(b, Q, execs, order, aged, t_budget)
+            else:
+                self._fill_time(b, Q, execs, order, t_budget)
+            if b.plan.empty:
+                self._least_step(b, Q[order[0]])
             return b.finish(t_budget=t_budget, n_urgent=n_urgent, n_normal=n_normal)
         tokens = self.token_budget or self.tbt_token_budget()
         b.fill_tokens([Q[i] for i in order], tokens)
         return b.finish(t_budget=float("nan"), token_budget=tokens, n_urgent=n_urgent, n_normal=n_normal)
+
+    def _fill_aged_first(self, b: BatchBuilder, Q, execs, order, aged, t_budget: float) -> list[int]:
+        """Aged requests first, oldest first, within ρ·t_budget; then Algorithm 1's order
+        over the others; then whatever budget is left grows the aged chunks again."""
+        self._fill_time(b, Q, execs, aged, self.age_share * t_budget)
+        first = set(aged)
+        rest = [i for i in order if i not in first]
+        self._fill_time(b, Q, execs, rest, t_budget)
+        for i in aged:                       # budget left over: the aged chunks may grow into it
+            if t_budget - b.time > 0:
+                b.grow_prefill(Q[i], t_budget - b.time)
+        return aged + rest
 
     # -- Alg. 1 lines 14-18 ----------------------------------------------------------
     def _fill_time(self, b: BatchBuilder, Q, execs: list[float], order: list[int], t_budget: float) -> None:
@@ -146,11 +200,12 @@ class SlideBatching(LocalPolicy):
                 b.add_prefill(r, n)
             elif execs[i] <= left:
                 b.add_decode(r)
-        if b.plan.empty:
-            # Budget smaller than any single item (η < t_c + one token): still make
-            # progress with the first request in order, one block's worth of prompt.
-            r = Q[order[0]]
-            if r.prefilled < r.prefill_len:
-                b.add_prefill(r, max(1, min(b.view.block_size, r.prefill_len - r.prefilled)))
-            else:
-                b.add_decode(r)
+
+    @staticmethod
+    def _least_step(b: BatchBuilder, r) -> None:
+        """Budget smaller than any single item (η < t_c + one token): still make
+        progress with the first request in order, one block's worth of prompt."""
+        if r.prefilled < r.prefill_len:
+            b.add_prefill(r, max(1, min(b.view.block_size, r.prefill_len - r.prefilled)))
+        else:
+            b.add_decode(r)
