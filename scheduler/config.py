@@ -38,7 +38,8 @@ def default_classes() -> dict[str, PriorityClass]:
 
 
 def classes_from_dicts(items: Iterable[Mapping], where: str = "priority classes") -> dict[str, PriorityClass]:
-    """Build classes from ``[{"name", "weight", "ttft_slo", "tpot_slo"}, ...]``."""
+    """Build classes from ``[{"name", "weight", "ttft_slo", "tpot_slo"}, ...]`` (an entry's
+    optional ``on_overload`` is read by :func:`overload_actions_from_dicts`)."""
     out: dict[str, PriorityClass] = {}
     for i, d in enumerate(items):
         try:
@@ -54,6 +55,18 @@ def classes_from_dicts(items: Iterable[Mapping], where: str = "priority classes"
         out[pc.name] = pc
     if not out:
         raise ConfigError(f"{where}: no classes defined")
+    return out
+
+
+def overload_actions_from_dicts(items: Iterable[Mapping], where: str = "priority classes") -> dict[str, str]:
+    """The ``on_overload`` action (queue | reject | downgrade, see
+    :mod:`proserve.scheduler.admission`) of each class entry that names one; checked
+    against the classes by ``AdmissionConfig.check``."""
+    from .admission import ACTIONS
+    out: dict[str, str] = {}
+    for i, d in enumerate(items):
+        if isinstance(d, Mapping) and d.get("on_overload") is not None:
+            out[str(d.get("name"))] = validate.one_of("", f"{where}[{i}].on_overload", d["on_overload"], ACTIONS)
     return out
 
 

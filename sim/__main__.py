@@ -21,13 +21,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from proserve.scheduler import registry, validate
-from proserve.scheduler.config import classes_from_dicts, default_classes, parse_key_values
+from proserve.scheduler.admission import AdmissionConfig, parse_actions
+from proserve.scheduler.config import (
+    classes_from_dicts,
+    default_classes,
+    overload_actions_from_dicts,
+    parse_key_values,
+)
 from proserve.scheduler.request import ConfigError, PriorityClass
 from proserve.scheduler.tdg import GainConfig
 
 from .cluster import DEPLOYMENTS, SimConfig, simulate
 from .report import (
     ROW_FIELDS,
+    add_admission,
+    admission_fields,
+    format_admission,
     format_table,
     metrics_dict,
     plot_sweep,
@@ -111,6 +120,9 @@ def run_spec(spec: RunSpec, keep_requests: bool = False) -> dict:
         "duration_s": res.duration, "gain": {"w_p": gain.w_p, "w_d": gain.w_d, "deadline": gain.deadline},
         "metrics": metrics_dict(res.requests, gain, res.duration),
     }
+    if res.admission:
+        out["admission"] = res.admission
+        add_admission(out["metrics"], res.admission)
     if keep_requests:
         out["records"] = request_records(res.requests, gain)
         out["timeline"] = res.timeline
@@ -138,7 +150,7 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
                    help="trace file format (default: sniffed from the file)")
     w.add_argument("--num-requests", type=int, default=2000,
                    help="use the first N requests of the trace (default 2000; 0 = all)")
-    w.add_argument("--classes", help="JSON file: list of {name, weight, ttft_slo, tpot_slo} "
+    w.add_argument("--classes", help="JSON file: list of {name, weight, ttft_slo, tpot_slo[, on_overload]} "
                                      "(default: high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s)")
     w.add_argument("--ttft-slo", type=float, help="TTFT SLO of every class, seconds (overrides --classes)")
     w.add_argument("--tpot-slo", type=float, help="TPOT SLO of every class, seconds (overrides --classes)")
@@ -179,6 +191,25 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
                    help="disaggregated: seconds from a prefill's end to its KV transfer start (default 0)")
     h.add_argument("--stream-delay", type=float, default=0.0,
                    help="seconds from a token's step end to the client (default 0)")
+    a = p.add_argument_group(
+        "admission control, as the dispatcher applies it (scheduler/admission.py; off by default)")
+    a.add_argument("--on-overload", action="append", metavar="CLASS=ACTION",
+                   help="what a class does when no instance can meet a request's TTFT SLO (GoRouting's "
+                        "estimate, Δ_max <= 0): queue (default), reject (refused at arrival, scored as the load "
+                        "generator scores a 429: no token, zero gain, SLO missed) or downgrade (served in the "
+                        "next class down by weight); repeatable or comma-separated, e.g. low=reject; overrides "
+                        "on_overload in --classes")
+    a.add_argument("--max-queued-requests", type=int, metavar="N",
+                   help="an instance with N requests waiting for prefill takes no more; a request finding "
+                        "every instance so is refused (default: no cap)")
+    a.add_argument("--max-queued-tokens", type=int, metavar="N",
+                   help="... likewise with N prompt tokens waiting for prefill (default: no cap)")
+    a.add_argument("--max-concurrent", type=int, metavar="N",
+                   help="requests in progress at once, overall, as the dispatcher's max_concurrent: a request "
+                        "arriving over it is refused (default: no limit)")
+    a.add_argument("--max-concurrent-per-class", type=int, metavar="N",
+                   help="... per class, as the dispatcher's max_concurrent_per_key with one key per class "
+                        "(what the real cluster answers with 429s under overload; default: no limit)")
     p.add_argument("--local-param", action="append", metavar="KEY=VALUE",
                    help="local policy parameter, e.g. gamma=1.5 eta=0.05 phi=c (repeatable)")
     p.add_argument("--global-param", action="append", metavar="KEY=VALUE",
@@ -188,12 +219,15 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
 
 def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> RunSpec:
     classes = None
+    actions: dict[str, str] = {}
     if args.classes:
         try:
             items = json.loads(Path(args.classes).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"--classes {args.classes}: {e}") from None
         classes = classes_from_dicts(items, f"--classes {args.classes}")
+        actions = overload_actions_from_dicts(items, f"--classes {args.classes}")
+    actions.update(parse_actions(args.on_overload))
     if args.ttft_slo is not None or args.tpot_slo is not None:
         for what, v in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo)):
             if v is not None:
@@ -214,7 +248,9 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
         fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed,
         first_token=args.first_token, dispatch_delay=args.dispatch_delay, handoff_delay=args.handoff_delay,
-        stream_delay=args.stream_delay)
+        stream_delay=args.stream_delay,
+        admission=AdmissionConfig(actions, args.max_queued_requests, args.max_queued_tokens),
+        max_concurrent=args.max_concurrent, max_concurrent_per_class=args.max_concurrent_per_class)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,
                    num_requests=args.num_requests or None, seed=seed, classes=classes, shares=shares,
                    latency_model=args.latency_model, w_p=args.w_p, w_d=args.w_d, deadline=args.deadline, sim=sim,
@@ -253,6 +289,10 @@ def cmd_run(args) -> int:
     print()
     print(format_table([{"class": k, "metrics": {"all": v}} for k, v in res["metrics"].items()],
                        keys=("class",), fields=[f for f in ROW_FIELDS if "@" not in f[1]]))
+    if "admission" in res:
+        print()
+        print("# admission per class the requests came in (refused: no token, zero gain, SLO missed)")
+        print(format_admission(res["admission"]))
     if args.out:
         out = Path(args.out)
         timeline = res.pop("timeline")
@@ -302,6 +342,9 @@ def cmd_sweep(args) -> int:
     rows_avg = _average_seeds(rows, series)
     first_token = args.deployment == "disaggregated"
     fields = _fields(first_token)
+    admitted = {cls: c for r in rows for cls, c in r.get("admission", {}).items()}
+    if admitted:
+        fields = fields + admission_fields(admitted)   # refused requests per class (mean over seeds)
     print(f"# {args.deployment}, trace={args.trace}, {specs[0].num_requests or 'all'} requests, "
           f"seeds={seeds}" + (", TDG = first-token TDG (§5.2)" if first_token else ""))
     print(format_table(rows_avg, fields=fields, keys=(series, "rate")))

@@ -19,6 +19,15 @@ hand-off between prefill and decode, the way back to the client) is
 ``dispatch_delay``, ``handoff_delay`` and ``stream_delay``;
 ``scripts/bench_fidelity.py`` measures them (docs/fidelity.md).
 
+Admission control, as the dispatcher applies it (off by default): each arrival first
+takes a slot under ``max_concurrent`` / ``max_concurrent_per_class`` (the dispatcher's
+``max_concurrent`` / ``max_concurrent_per_key`` with one key per class, held until the
+request's last token), then passes :class:`proserve.scheduler.admission.Admission`
+(per-class ``on_overload`` and the per-instance queue caps of ``admission``), the same
+code the dispatcher runs. A refused request ends at once with an error and no token,
+as the load generator scores a 429 (zero gain, its ideal gain counted, SLO missed);
+``SimResult.admission`` counts every decision per class.
+
 Step times come from a latency model (Eq. 4-7), optionally with multiplicative
 log-normal noise, and optionally from a *different* "true" model than the one
 the policies estimate with, so that the online correction β has something to
@@ -42,6 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from proserve.scheduler import validate
+from proserve.scheduler.admission import REJECT, Admission, AdmissionConfig, ConcurrencyCount, serve_in
 from proserve.scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
 from proserve.scheduler.host import LocalHost, RouterHost
 from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, blocks_for
@@ -88,6 +98,10 @@ class SimConfig:
     dispatch_delay: float = 0.0      # s from a request's arrival to its instance's queue (HTTP hops)
     handoff_delay: float = 0.0       # s from a prefill's end to its KV transfer start (disaggregated)
     stream_delay: float = 0.0        # s from a token's step end to the client
+    # Admission control as the dispatcher applies it (proserve.scheduler.admission); off by default
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # per-class on_overload, queue caps
+    max_concurrent: int | None = None            # requests in progress at once, overall (else refused: 429)
+    max_concurrent_per_class: int | None = None  # ... per class (the dispatcher's per-key limit, a key per class)
 
     def validate(self) -> None:
         W = "simulator"
@@ -99,7 +113,8 @@ class SimConfig:
         validate.one_of(W, "first_token", self.first_token, FIRST_TOKEN)
         for k in ("dispatch_delay", "handoff_delay", "stream_delay"):
             validate.non_negative(W, k, getattr(self, k))
-        for k in ("num_kv_blocks", "block_size", "kv_bytes_per_token"):
+        for k in ("num_kv_blocks", "block_size", "kv_bytes_per_token", "max_concurrent",
+                  "max_concurrent_per_class"):
             if getattr(self, k) is not None:
                 validate.integer(W, k, getattr(self, k))
 
@@ -123,6 +138,9 @@ class SimResult:
     steps: int
     betas: list[float]
     preemptions: int = 0   # recompute preemptions (and decode-side swaps) over the run
+    # admission decisions per class the requests came in: {class: {admit, queue, downgrade,
+    # reject, "reject:<reason>"...: count}}; empty when admission control is off
+    admission: dict = field(default_factory=dict)
 
 
 class _Instance:
@@ -204,6 +222,15 @@ class Simulator:
         self.d_states = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
         # the global side: PrefillQueueMap updates and router notifications, from events
         self.router_host = RouterHost(self.router, self.p_states)
+        # admission control: the dispatcher's rule (scheduler.admission) on the router's estimate
+        adm = config.admission.check(self.classes, "simulator")
+        self.admission = Admission(adm, self.classes, self.gain, dep, getattr(self.router, "eta", None)) \
+            if adm.active else None
+        self.concurrency = ConcurrencyCount(config.max_concurrent, config.max_concurrent_per_class) \
+            if config.max_concurrent is not None or config.max_concurrent_per_class is not None else None
+        self.admission_counts: dict[str, dict[str, int]] = {}
+        self._slot: dict[str, str] = {}       # request id -> the class whose concurrency slot it holds
+        self._refused: set[str] = set()       # refused requests not yet handed to _finished
         self._events: list = []
         self._seq = 0
         self.timeline: list[TimelinePoint] = []
@@ -238,13 +265,19 @@ class Simulator:
                 self._on_kv_arrived(*payload, now)
         end = max((r.token_times[-1] for r in reqs if r.token_times), default=now)
         betas = [i.est.beta for i in self.front + self.decoders]
-        return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas, self.preemptions)
+        return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas, self.preemptions,
+                         self.admission_counts)
 
     # -- arrivals and routing ----------------------------------------------------------
     def _on_arrival(self, r: Request, now: float) -> None:
+        prefills = self.p_states
+        if self.concurrency is not None or self.admission is not None:
+            prefills = self._admit(r, now)
+            if prefills is None:
+                return
         for d, st in zip(self.decoders, self.d_states):
             st.free_blocks = d.free_blocks
-        p, d = self.router.route(r, self.p_states, self.d_states, now)
+        p, d = self.router.route(r, prefills, self.d_states, now)
         inst = self.front[p.id]
         need = math.ceil((r.prompt_len + 1) / self.block_size)
         if need > inst.total_blocks:
@@ -258,6 +291,42 @@ class Simulator:
             self._push(now + self.cfg.dispatch_delay, _ENQUEUE, (inst, r))
         else:
             self._enqueue(inst, r, now)
+
+    def _admit(self, r: Request, now: float) -> list[PrefillInstance] | None:
+        """The dispatcher's checks before routing, in its order: a concurrency slot, then
+        the admission rule. The instances ``r`` may be routed to, or None if refused."""
+        asked = r.priority
+        if self.concurrency is not None:
+            why = self.concurrency.acquire(asked)
+            if why is not None:
+                self._count(asked, REJECT, why)
+                self._refuse(r, why, now)
+                return None
+            self._slot[r.id] = asked
+        if self.admission is None:
+            return self.p_states
+        dec = self.admission.decide(r, self.p_states, now)
+        self._count(asked, dec.decision, dec.reason)
+        if dec.refused:
+            self._refuse(r, dec.reason, now)
+            return None
+        if dec.served is not None and dec.served.name != asked:
+            serve_in(r, dec.served)   # a downgrade: the lower class's weight and SLOs from here on
+        return dec.instances
+
+    def _count(self, cls: str, decision: str, reason: str | None) -> None:
+        c = self.admission_counts.setdefault(cls, {"admit": 0, "queue": 0, "downgrade": 0, "reject": 0})
+        c[decision] += 1
+        if decision == REJECT:
+            c[f"reject:{reason}"] = c.get(f"reject:{reason}", 0) + 1
+
+    def _refuse(self, r: Request, reason: str, now: float) -> None:
+        """``r`` is refused before routing (the dispatcher's 429): it ends now, with an error and
+        no token, not finished, as the load generator scores a 429 (bench/loadgen/scoring.py);
+        no router or instance heard of it."""
+        r.error = f"rejected (HTTP 429: {reason})"
+        self._refused.add(r.id)
+        self._finished(r, now)
 
     def _enqueue(self, inst: _Instance, r: Request, now: float) -> None:
         inst.waiting.append(r)
@@ -273,7 +342,14 @@ class Simulator:
             inst = self.front[r.instance]
             inst.admitted.pop(r.id, None)
             inst.host.finished(r, now)
-        self.router_host.finished(r, now)   # also out of PrefillQueueMap / n_d, wherever it still counts
+        if self._slot:
+            cls = self._slot.pop(r.id, None)
+            if cls is not None:
+                self.concurrency.release(cls)
+        if self._refused and r.id in self._refused:
+            self._refused.discard(r.id)       # never routed: no router heard of it (nor does the dispatcher's)
+        else:
+            self.router_host.finished(r, now)   # also out of PrefillQueueMap / n_d, wherever it still counts
         r.delay_tokens(self.cfg.stream_delay)  # from here on, the times the client saw
 
     def _wake(self, inst: _Instance, now: float) -> None:

@@ -135,6 +135,43 @@ def format_table(rows: Sequence[dict], fields=ROW_FIELDS, keys=("policy", "rate"
     return "\n".join(lines)
 
 
+# -- admission control ---------------------------------------------------------------
+def add_admission(metrics: dict, admission: dict) -> None:
+    """Per class the requests came in, how many were refused (``rejected``, the
+    dispatcher's 429s) and served in a lower class (``downgraded``), into ``metrics``
+    (a :func:`metrics_dict`); ``all`` gets the sums. A refused request keeps the class it
+    came in, so it is also one of that class's ``requests``, with zero gain and its SLO
+    missed; a downgraded one is scored in the class it was served in."""
+    tot = {"rejected": 0, "downgraded": 0}
+    for cls, c in admission.items():
+        m = metrics.get(cls)
+        if m is not None:
+            m["rejected"], m["downgraded"] = c["reject"], c["downgrade"]
+        tot["rejected"] += c["reject"]
+        tot["downgraded"] += c["downgrade"]
+    if "all" in metrics:
+        metrics["all"].update(tot)
+
+
+def admission_fields(admission: dict) -> list[tuple[str, str, str]]:
+    """Table columns for :func:`format_table`: refused requests per class (``rej_<class>``)."""
+    return [(f"rej_{cls}", f"rejected@{cls}", "{:.0f}") for cls in sorted(admission)]
+
+
+def format_admission(admission: dict) -> str:
+    """One row per class the requests came in: each admission decision, and why refused."""
+    reasons = sorted({k for c in admission.values() for k in c if k.startswith("reject:")})
+    head = ["class", "admit", "queue", "downgrade", "reject"] + [r.split(":", 1)[1] for r in reasons]
+    rows = [[cls] + [str(c.get(k, 0)) for k in ("admit", "queue", "downgrade", "reject", *reasons)]
+            for cls, c in sorted(admission.items())]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    return "\n".join(lines)
+
+
 # -- plots -------------------------------------------------------------------------
 def _pyplot():
     try:
