@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from proserve.scheduler.config import classes_from_dicts, parse_key_values
+from proserve.scheduler.admission import parse_actions
+from proserve.scheduler.config import classes_from_dicts, overload_actions_from_dicts, parse_key_values
 from proserve.scheduler.registry import global_names
 from proserve.scheduler.request import ConfigError
 from proserve.scheduler.tdg import GainConfig
@@ -31,6 +32,15 @@ limits: the key is checked before the body is read; bodies over --max-body-mb ge
 take longer than --body-timeout 408, connections that do not send their headers within
 --header-timeout are closed; over --max-concurrent requests in progress (or --max-concurrent-per-key
 for one client) get 429 with Retry-After. Every error is an OpenAI-style JSON object.
+
+admission control (off by default): when no instance can serve a request within its TTFT SLO
+(GoRouting's estimate, whatever --global-policy), its class's --on-overload action applies:
+queue (default), reject (429 with Retry-After before any prefill work) or downgrade (served in the
+next class down by weight; the response says so in x-proserve-priority and
+x-proserve-downgraded-from). --max-queued-requests/--max-queued-tokens cap what waits for prefill
+per instance (every instance full: 429). /metrics: proserve:dispatcher_admission_total{priority,
+decision, reason}.
+  python -m proserve.dispatcher --config cluster.toml --keys keys.toml --on-overload low=reject
 """
 
 
@@ -59,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keyword argument of the routing policy, e.g. alpha=0.9 (VALUE parsed as JSON)")
     ap.add_argument("--latency-model", help="latency-model JSON for instances that name none "
                                             "(default: profiler/models/tiny-llama-cpu.json)")
-    ap.add_argument("--classes", help="JSON file: [{\"name\", \"weight\", \"ttft_slo\", \"tpot_slo\"}, ...] "
+    ap.add_argument("--classes", help="JSON file: [{\"name\", \"weight\", \"ttft_slo\", \"tpot_slo\"[, "
+                                      "\"on_overload\"]}, ...] "
                                       "(seconds; default high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s)")
     ap.add_argument("--default-class", help="class of requests that name none with open access "
                                             "(default: the lowest-weight class)")
@@ -85,6 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests in progress at once, overall (default 1024; 429 above)")
     ap.add_argument("--max-concurrent-per-key", type=int, metavar="N",
                     help="requests in progress at once per client of the keys file (default 256; 429 above)")
+    ap.add_argument("--on-overload", action="append", default=[], metavar="CLASS=ACTION",
+                    help="what CLASS does with a request no instance can serve within its TTFT SLO: queue "
+                         "(default), reject (429 + Retry-After, before any prefill work) or downgrade (serve it "
+                         "in the next class down by weight); repeatable or comma-separated, e.g. low=reject; "
+                         "overrides on_overload in the config's classes")
+    ap.add_argument("--max-queued-requests", type=int, metavar="N",
+                    help="an instance with N requests waiting for prefill takes no more; a request finding "
+                         "every instance so gets 429 (default: no cap)")
+    ap.add_argument("--max-queued-tokens", type=int, metavar="N",
+                    help="... likewise with N prompt tokens waiting for prefill (default: no cap)")
     ap.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
                     help="on SIGINT/SIGTERM, how long requests in progress may still run (default 30)")
     ap.add_argument("--worker-key-file", metavar="PATH",
@@ -106,6 +127,7 @@ def config_from_args(args) -> DispatcherConfig:
                        ("max_body_mb", "max_body_mb"), ("header_timeout_s", "header_timeout"),
                        ("body_timeout_s", "body_timeout"), ("max_concurrent", "max_concurrent"),
                        ("max_concurrent_per_key", "max_concurrent_per_key"),
+                       ("max_queued_requests", "max_queued_requests"), ("max_queued_tokens", "max_queued_tokens"),
                        ("shutdown_timeout_s", "shutdown_timeout"),
                        ("worker_api_key_file", "worker_key_file")):
         v = getattr(args, flag)
@@ -114,7 +136,11 @@ def config_from_args(args) -> DispatcherConfig:
     if args.global_param:
         cfg.global_params = {**cfg.global_params, **parse_key_values(args.global_param, "--global-param")}
     if args.classes:
-        cfg.classes = classes_from_dicts(_read_list(args.classes), f"--classes {args.classes}")
+        items = _read_list(args.classes)
+        cfg.classes = classes_from_dicts(items, f"--classes {args.classes}")
+        cfg.on_overload = overload_actions_from_dicts(items, f"--classes {args.classes}")
+    if args.on_overload:
+        cfg.on_overload = {**cfg.on_overload, **parse_actions(args.on_overload)}
     if args.w_p is not None or args.w_d is not None:
         cfg.gain = GainConfig(w_p=args.w_p if args.w_p is not None else cfg.gain.w_p,
                               w_d=args.w_d if args.w_d is not None else cfg.gain.w_d,

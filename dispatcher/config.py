@@ -16,6 +16,10 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       body_timeout_s = 30.0         # ... and the whole body within this after them (else 408)
       max_concurrent = 1024         # requests admitted at once, overall (else 429 + Retry-After)
       max_concurrent_per_key = 256  # ... and per client of the keys file
+      # admission control (scheduler/admission.py): per instance, at most this many requests /
+      # prompt tokens waiting for prefill; a request finding every instance full gets 429 (default: no cap)
+      max_queued_requests = 64
+      max_queued_tokens = 65536
       # timeouts towards the workers
       stream_idle_timeout_s = 60.0  # longest silence between two events of an upstream stream
       request_timeout_s = 600.0     # a whole request (unstreamed: the only limit on its answer)
@@ -28,6 +32,8 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       w_p = 1.0
       [[classes]]                   # priority classes; default: high w=2 / low w=1, TTFT 1 s, TPOT 0.1 s
       name = "high"; weight = 2.0; ttft_slo = 1.0; tpot_slo = 0.1
+      on_overload = "queue"         # when no instance can meet a request's TTFT SLO: queue (default),
+                                    # reject (429 + Retry-After) or downgrade (serve it in the next class down)
       [[prefill]]                   # prefill (or co-located) instances
       url = "http://127.0.0.1:8100"
       latency_model = "profiler/models/tiny-llama-cpu.json"   # optional; default: the bundled profile
@@ -68,7 +74,8 @@ from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from proserve.scheduler import validate
-from proserve.scheduler.config import classes_from_dicts, default_classes
+from proserve.scheduler.admission import AdmissionConfig
+from proserve.scheduler.config import classes_from_dicts, default_classes, overload_actions_from_dicts
 from proserve.scheduler.request import ConfigError, PriorityClass
 from proserve.scheduler.routing.base import COLOCATED, DEPLOYMENTS, DISAGGREGATED
 from proserve.scheduler.tdg import GainConfig
@@ -126,6 +133,12 @@ class DispatcherConfig:
     body_timeout_s: float = 30.0           # from the end of the headers to the end of the body: 408
     max_concurrent: int = 1024             # requests admitted at once, overall: 429 above
     max_concurrent_per_key: int = 256      # requests admitted at once per client (keys file): 429 above
+    # admission control (proserve.scheduler.admission): per class, what a request no instance can
+    # serve within its TTFT SLO gets (queue | reject | downgrade; a class not named queues), and
+    # per-instance caps on what waits for prefill (None: no cap)
+    on_overload: dict[str, str] = field(default_factory=dict)
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
     stream_queue_events: int = 64          # per stream, events read from the worker but not yet sent
     shutdown_timeout_s: float = 30.0       # on shutdown, how long requests in progress may still run
     worker_api_key_file: str | None = None  # file holding the key the workers demand (else $PROSERVE_WORKER_API_KEY)
@@ -154,6 +167,10 @@ class DispatcherConfig:
             validate.fail(where, "dispatcher.worker_api_key_file", "a file path", v)
         if self.default_class is not None:
             validate.one_of(where, "dispatcher.default_class", self.default_class, self.classes)
+        for k in ("max_queued_requests", "max_queued_tokens"):
+            if getattr(self, k) is not None:
+                validate.integer(where, f"dispatcher.{k}", getattr(self, k))
+        self.admission.check(self.classes, f"{where}: classes")
         seen: set[str] = set()
         for kind, specs in (("prefill", self.prefill), ("decode", self.decode)):
             for i, s in enumerate(specs):
@@ -165,6 +182,10 @@ class DispatcherConfig:
                     s.name = f"{kind[0]}{i}"
         for i, d in enumerate(self.decode):
             check_kv_addr(d.kv_addr, f"{where}: decode[{i}].kv_addr")
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(dict(self.on_overload), self.max_queued_requests, self.max_queued_tokens)
 
     @property
     def max_body_bytes(self) -> int:
@@ -248,6 +269,7 @@ _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_clas
                     "health_interval_s", "health_failures", "health_timeout_s", "connect_timeout_s",
                     "request_timeout_s", "stream_idle_timeout_s", "max_body_mb", "header_timeout_s",
                     "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",
+                    "max_queued_requests", "max_queued_tokens",
                     "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed"}
 #: keys renamed since: a config file using the old name gets an error naming the new one
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
@@ -296,7 +318,9 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if "classes" in data:
-        cfg.classes = classes_from_dicts(_list(data, "classes", where), f"{where}: classes")
+        items = _list(data, "classes", where)
+        cfg.classes = classes_from_dicts(items, f"{where}: classes")
+        cfg.on_overload = overload_actions_from_dicts(items, f"{where}: classes")
     for i, p in enumerate(_list(data, "prefill", where)):
         if not isinstance(p, dict) or "url" not in p:
             raise ConfigError(f"{where}: prefill[{i}] needs a url")

@@ -9,11 +9,18 @@ Per instance: routing decisions, the PrefillQueueMap length, β, free KV
 blocks, health. Routing decision time, and GoRouting's branch (Alg. 2 lines
 13/15/17/19) per decision.
 
+Admission control (``proserve.scheduler.admission``, when configured): every decision
+per class the request came in, ``admission{priority, decision, reason}`` with decision
+admit, queue (no instance meets its TTFT SLO: queued anyway), downgrade (served in a
+lower class; its other metrics count in that class) or reject (429), and reason ``-``,
+slo_unreachable or queue_full.
+
 Hardening: requests refused before routing by reason (``rejected``: auth,
 body_too_large, body_timeout, header_timeout, overloaded, client_overloaded,
-bad_json), timeouts by kind (header, body, stream_idle, request), health
-checks per instance by result (ok, timeout_progressing, timeout, refused,
-bad_status, unauthorized, bad_answer), failed /metrics scrapes, KV fallbacks
+bad_json, and admission control's slo_unreachable, queue_full), timeouts by
+kind (header, body, stream_idle, request), health checks per instance by
+result (ok, timeout_progressing, timeout, refused, bad_status, unauthorized,
+bad_answer), failed /metrics scrapes, KV fallbacks
 (decode legs sent without the pushed KV), the stream queues' back-pressure
 waits and high-water mark, requests a client abandoned (upstream cancelled).
 """
@@ -31,7 +38,8 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("proserve:dispatcher_requests", "Requests that ended, by class and outcome "
-                                "(ok, client_error, auth_error, rejected (429), upstream_error, timeout, "
+                                "(ok, client_error, auth_error, rejected (429: concurrency limits, class '-'; "
+                                "admission control, the class asked for), upstream_error, timeout, "
                                 "cancelled (the client went away), internal_error)",
                                 ["priority", "outcome"], registry=r)
         self.retries = Counter("proserve:dispatcher_retries", "Requests retried on another instance",
@@ -64,8 +72,14 @@ class Metrics:
                              ["role", "instance"], registry=r)
         self.rejected = Counter("proserve:dispatcher_rejected", "Requests refused before routing, by reason "
                                 "(auth 401, body_too_large 413, body_timeout 408, header_timeout (connection "
-                                "closed), overloaded / client_overloaded 429, bad_json 400: unparsable body)",
+                                "closed), overloaded / client_overloaded 429, bad_json 400: unparsable body, "
+                                "slo_unreachable / queue_full 429: admission control)",
                                 ["reason"], registry=r)
+        self.admission = Counter("proserve:dispatcher_admission", "Admission decisions per class the request "
+                                 "came in (when admission control is configured): admit, queue (no instance can "
+                                 "meet its TTFT SLO; queued anyway), downgrade (served in a lower class), reject "
+                                 "(429); reason: - (met in time), slo_unreachable, queue_full",
+                                 ["priority", "decision", "reason"], registry=r)
         self.timeouts = Counter("proserve:dispatcher_timeouts", "Timeouts by kind: header, body (client side); "
                                 "stream_idle, request (towards the workers)", ["kind"], registry=r)
         self.health_checks = Counter("proserve:dispatcher_health_checks", "Health checks by result: ok, "

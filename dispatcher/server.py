@@ -6,13 +6,17 @@ One request, disaggregated (§4.3):
 1. check the body, the API key and the asked priority/SLOs (4xx on failure);
 2. count the prompt's tokens (the body's token ids, or the workers' ``/tokenize``)
    and check it fits the model's context;
-3. route with the global policy (GoRouting by default) over the live instances:
+3. admission control, when configured (:mod:`proserve.scheduler.admission`): a request
+   no instance can serve within its TTFT SLO is queued, refused (429 with
+   ``Retry-After``, before any prefill work) or served in a lower class, as its class's
+   ``on_overload`` says; instances over the queue caps are left out;
+4. route with the global policy (GoRouting by default) over the live instances:
    ``PrefillQueueMap[p].add(r)``, decode pick by free KV blocks;
-4. **prefill leg**: the body capped at one token, with ``kv_transfer_params``
+5. **prefill leg**: the body capped at one token, with ``kv_transfer_params``
    naming a transfer id the dispatcher issues and the decode worker's KV
    address; its response is the asynchronous completion signal:
    ``PrefillQueueMap[p].remove(r)``;
-5. **decode leg**: the same body with ``do_remote_prefill`` and the same id;
+6. **decode leg**: the same body with ``do_remote_prefill`` and the same id;
    the decode worker loads the pushed KV and generates; its tokens are
    streamed to the client as they come (or returned at once, unstreamed).
 
@@ -69,12 +73,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from proserve.scheduler.admission import Admission, AdmissionDecision, serve_in
 from proserve.scheduler.host import RouterHost
 from proserve.scheduler.registry import make_global
 from proserve.scheduler.routing.base import COLOCATED
 from proserve.scheduler.tdg import slo_attained
 
-from .auth import Authorizer
+from .auth import Authorizer, Grant
 from .config import DispatcherConfig, KeyEntry
 from .errors import ApiError, UpstreamError, error_body
 from .http_protocol import http_protocol
@@ -158,6 +163,10 @@ class Dispatcher:
         # there to read (and for benchmarks that seed queues)
         self.router_host = RouterHost(self.policy, [w.state for w in self.registry.prefill])
         self.qmap = self.router_host.qmap
+        # admission control: the simulator's rule, on the router's estimate (None: off)
+        adm = cfg.admission
+        self.admission = Admission(adm, cfg.classes, cfg.gain, cfg.deployment, getattr(self.policy, "eta", None)) \
+            if adm.active else None
         self.metrics = Metrics()
         self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)
         self.worker_key = cfg.worker_api_key()   # ConfigError naming the file when unreadable/empty
@@ -291,8 +300,44 @@ class Dispatcher:
             msg += "; the workers reject the dispatcher's worker key (a configuration error)"
         return ApiError(503, msg)
 
-    def _route(self, job: Job, bad: set[str]) -> tuple[PrefillWorker, DecodeWorker | None]:
+    def _admit(self, job: Job, now: float) -> set[int] | None:
+        """Admission control before the first routing (no prefill work spent yet): 429 when
+        the request is refused, its class changed when downgraded. The ids of the
+        instances it may go to (under the queue caps), or None for any. The simulator
+        applies the same rule at the same point (``proserve.sim.cluster.Simulator._admit``)."""
+        if self.admission is None:
+            return None
+        ps = self.registry.live_prefill()
+        if not ps:
+            return None                      # _route answers 503
+        dec = self.admission.decide(job.sreq, [w.state for w in ps], now)
+        asked = job.grant.cls.name
+        self.metrics.admission.labels(asked, dec.decision, dec.reason or "-").inc()
+        job.record["admission"] = dec.decision
+        if dec.reason:
+            job.record["admission_reason"] = dec.reason
+        if dec.refused:
+            self.metrics.rejected.labels(dec.reason).inc()
+            raise _refusal(job, dec)
+        if dec.served is not None and dec.served.name != asked:
+            self._downgrade(job, dec.served)
+        return {st.id for st in dec.instances}
+
+    def _downgrade(self, job: Job, cls) -> None:
+        """Serve ``job`` in class ``cls``: its weight and SLOs, on the workers and in the metrics."""
+        g = job.grant
+        job.grant = Grant(g.client, cls, cls.ttft_slo, cls.tpot_slo)
+        serve_in(job.sreq, cls)
+        job.record.update(priority=cls.name, weight=cls.weight, ttft_slo=cls.ttft_slo, tpot_slo=cls.tpot_slo,
+                          downgraded_from=g.cls.name)
+        logger.info("request %s: no instance can meet its TTFT SLO in class %s; served in class %s",
+                    job.id, g.cls.name, cls.name)
+
+    def _route(self, job: Job, bad: set[str], allowed: set[int] | None = None
+               ) -> tuple[PrefillWorker, DecodeWorker | None]:
         ps = self.registry.live_prefill(bad)
+        if allowed is not None:
+            ps = [w for w in ps if w.state.id in allowed]   # admission control's queue caps
         if not ps:
             raise self._no_instance("prefill", bad)
         ds: list[DecodeWorker] = []
@@ -499,8 +544,9 @@ class Dispatcher:
         bad: set[str] = set()
         errors: list[str] = []
         timed_out = False
+        allowed = self._admit(job, time.time())   # admission control, once (a retry goes to any live instance)
         for attempt in range(2):
-            p, d = self._route(job, bad)
+            p, d = self._route(job, bad, allowed if attempt == 0 else None)
             # a fresh KV transfer id per attempt: the workers key their transfer state by it,
             # and a late outcome of the first attempt must not touch the second's
             xfer_id = f"{job.id}-{attempt}"
@@ -556,7 +602,8 @@ class Dispatcher:
             rec["error"] = error
         if r is not None:
             r.end(error or (None if outcome == "ok" else outcome))   # its output length is what it emitted
-            self.router_host.finished(r, time.time())   # routers that learn from completions
+            if rec.get("admission") != "reject":   # refused by admission control: no router heard of it
+                self.router_host.finished(r, time.time())   # routers that learn from completions
         if r is not None and r.token_times:
             n = len(r.token_times)
             gain = self.cfg.gain
@@ -589,6 +636,28 @@ class Dispatcher:
 
 
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+def _refusal(job: Job, dec: AdmissionDecision) -> ApiError:
+    """Admission control's 429: OpenAI's rate-limit error, with a Retry-After hint."""
+    if dec.reason == "queue_full":
+        why = "every instance's queue is at its cap"
+    else:
+        why = (f"no instance can serve it within its TTFT SLO of {job.grant.ttft_slo:g} s now, and class "
+               f"{job.grant.cls.name!r} rejects requests on overload")
+    return ApiError(429, f"the cluster is overloaded: {why}; retry after {dec.retry_after_s} s",
+                    code=dec.reason, headers={"retry-after": str(dec.retry_after_s)})
+
+
+def _headers(job: Job) -> dict[str, str]:
+    """Response headers: the request id, and the class it was served in when admission
+    control downgraded it."""
+    h = {"x-request-id": job.id}
+    down = job.record.get("downgraded_from")
+    if down is not None:
+        h["x-proserve-priority"] = job.grant.cls.name
+        h["x-proserve-downgraded-from"] = down
+    return h
 
 
 def _error_message_bytes(content: bytes) -> str:
@@ -921,7 +990,7 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 if not job.stream:
                     _strip(job, first)
                     end("ok", release=False)
-                    answer = _Answer(first, slot.release, deadline, headers={"x-request-id": job.id})
+                    answer = _Answer(first, slot.release, deadline, headers=_headers(job))
                     slot_kept = True              # by the answer, until it is written
                     return answer
                 gen = _sse(job, agen, first, deadline, end)
@@ -931,14 +1000,13 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                     await agen.aclose()
                     end("cancelled", "client went away")   # a no-op unless _sse never ran
                 handed_over = True
-                return _EventStream(gen, on_close, media_type="text/event-stream",
-                                    headers={"x-request-id": job.id})
+                return _EventStream(gen, on_close, media_type="text/event-stream", headers=_headers(job))
             except StopAsyncIteration:
                 end("upstream_error", "empty response")
                 return error(ApiError(502, "the worker sent no response"))
             except ApiError as e:
-                end("client_error" if e.status < 500 else ("timeout" if e.status == 504 else "upstream_error"),
-                    e.message)
+                end("rejected" if e.status == 429 else "client_error" if e.status < 500
+                    else ("timeout" if e.status == 504 else "upstream_error"), e.message)
                 return error(e)
             except (_Sent, UpstreamError) as e:
                 end("upstream_error", str(e))
