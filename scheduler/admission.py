@@ -40,7 +40,10 @@ the requests the real one ends (reasons ``overloaded`` and ``client_overloaded``
 
 Scoring convention (simulator and load generator alike): a refused request is one of
 the workload's requests that got no token, so it adds its ideal gain to the
-denominator of TDG_Ratio, nothing to the numerator, and misses its SLO.
+denominator of TDG_Ratio, nothing to the numerator, and misses its SLO; a downgraded
+request is scored in the class it came in (its weight and SLOs), as the client sees
+it. The dispatcher's own per-class serving metrics count a downgraded request in the
+class it was served in; ``admission{decision="downgrade"}`` counts it in its own.
 """
 
 from __future__ import annotations

@@ -25,8 +25,12 @@ takes a slot under ``max_concurrent`` / ``max_concurrent_per_class`` (the dispat
 request's last token), then passes :class:`proserve.scheduler.admission.Admission`
 (per-class ``on_overload`` and the per-instance queue caps of ``admission``), the same
 code the dispatcher runs. A refused request ends at once with an error and no token,
-as the load generator scores a 429 (zero gain, its ideal gain counted, SLO missed);
-``SimResult.admission`` counts every decision per class.
+as the load generator scores a 429 (zero gain, its ideal gain counted, SLO missed). A
+downgraded request runs in the lower class (its weight and SLOs, as the policies see
+it) and gets its own class back when it ends, so that it is scored as the load
+generator scores it: in the class the client sent it in. ``SimResult.admission``
+counts every decision per class; ``Simulator.downgraded`` maps each downgraded
+request to the class it was served in.
 
 Step times come from a latency model (Eq. 4-7), optionally with multiplicative
 log-normal noise, and optionally from a *different* "true" model than the one
@@ -231,6 +235,8 @@ class Simulator:
         self.admission_counts: dict[str, dict[str, int]] = {}
         self._slot: dict[str, str] = {}       # request id -> the class whose concurrency slot it holds
         self._refused: set[str] = set()       # refused requests not yet handed to _finished
+        self._asked: dict[str, tuple] = {}    # downgraded, running: id -> (class, weight, TTFT, TPOT SLO) asked
+        self.downgraded: dict[str, str] = {}  # request id -> the class it was served in
         self._events: list = []
         self._seq = 0
         self.timeline: list[TimelinePoint] = []
@@ -311,7 +317,10 @@ class Simulator:
             self._refuse(r, dec.reason, now)
             return None
         if dec.served is not None and dec.served.name != asked:
-            serve_in(r, dec.served)   # a downgrade: the lower class's weight and SLOs from here on
+            # a downgrade: the lower class's weight and SLOs until it ends (see _finished)
+            self._asked[r.id] = (r.priority, r.weight, r.ttft_slo, r.tpot_slo)
+            self.downgraded[r.id] = dec.served.name
+            serve_in(r, dec.served)
         return dec.instances
 
     def _count(self, cls: str, decision: str, reason: str | None) -> None:
@@ -350,6 +359,10 @@ class Simulator:
             self._refused.discard(r.id)       # never routed: no router heard of it (nor does the dispatcher's)
         else:
             self.router_host.finished(r, now)   # also out of PrefillQueueMap / n_d, wherever it still counts
+        if self._asked:
+            asked = self._asked.pop(r.id, None)
+            if asked is not None:   # scored in the class it came in, as the load generator scores it
+                r.priority, r.weight, r.ttft_slo, r.tpot_slo = asked
         r.delay_tokens(self.cfg.stream_delay)  # from here on, the times the client saw
 
     def _wake(self, inst: _Instance, now: float) -> None:

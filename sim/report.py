@@ -141,7 +141,8 @@ def add_admission(metrics: dict, admission: dict) -> None:
     dispatcher's 429s) and served in a lower class (``downgraded``), into ``metrics``
     (a :func:`metrics_dict`); ``all`` gets the sums. A refused request keeps the class it
     came in, so it is also one of that class's ``requests``, with zero gain and its SLO
-    missed; a downgraded one is scored in the class it was served in."""
+    missed; a downgraded one is scored in the class it came in too (the simulator gives it
+    back its class when it ends), as the load generator scores both."""
     tot = {"rejected": 0, "downgraded": 0}
     for cls, c in admission.items():
         m = metrics.get(cls)

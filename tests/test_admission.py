@@ -227,13 +227,21 @@ def test_sim_queue_everywhere_is_todays_behaviour():
     assert timeline(same) == timeline(base) and same.admission == {}
 
 
-def test_sim_downgrade_serves_high_requests_as_low():
-    res = sim(burst(), admission=AdmissionConfig({"high": "downgrade"}))
+def test_sim_downgrade_serves_high_requests_as_low_and_scores_them_as_high():
+    seen = {}
+    cfg = SimConfig(instances=2, local_policy="sarathi_fcfs", admission=AdmissionConfig({"high": "downgrade"}))
+    s = Simulator(MODEL, cfg, GAIN, CLASSES)
+    s.router.on_request_finished = lambda r, now: seen.setdefault(r.id, (r.priority, r.weight))
+    res = s.run(burst())
     c = res.admission["high"]
-    moved = [r for r in res.requests if int(r.id[1:]) % 2 == 0 and r.priority == "low"]
-    assert c["downgrade"] == len(moved) > 0 and c["reject"] == 0
-    for r in moved:
-        assert r.weight == 1.0 and r.finished and r.error is None
+    assert c["downgrade"] == len(s.downgraded) > 0 and c["reject"] == 0
+    assert set(s.downgraded.values()) == {"low"}
+    for r in res.requests:
+        if r.id in s.downgraded:
+            assert seen[r.id] == ("low", 1.0)                # the policies saw it in the lower class
+            assert (r.priority, r.weight) == ("high", 2.0)   # scored in the class it came in
+            assert r.finished and r.error is None
+    assert summarize(res.requests, GAIN)["high"].requests == 20
 
 
 def test_sim_caps_refuse_when_every_instance_is_full():
