@@ -11,6 +11,13 @@ answer comes after all of them at once). It keeps the bodies it received
 fail: ``fail = "500" | "drop" | "hang" | "stall"``, optionally only after
 ``fail_after_tokens`` streamed tokens ("hang" also makes ``/health`` answer 503;
 "stall" goes silent while ``/health`` stays fine: a slow worker, not a dead one).
+With ``fail_if`` (a function of the request body) only the generation requests
+it picks fail, and ``/health`` stays fine.
+
+A request with a ``seed`` gets tokens ``s<seed>t<i>`` instead of ``t<i>`` (a
+different sample per seed, as from a real engine); with ``return_token_ids`` a
+completion's choice also carries ``prompt_token_ids`` (the first chunk's, streamed),
+as vLLM's do.
 
 More knobs for the dispatcher's failure handling:
 
@@ -37,6 +44,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -58,6 +66,7 @@ class FakeWorker:
     block_size: int = 16
     usage: float = 0.0
     fail: str | None = None
+    fail_if: Callable[[dict], bool] | None = None   # fail only the generation requests it picks
     drop_next: int = 0              # close the connection of the next N generation requests (only those)
     fail_after_tokens: int = 0
     health_delay_s: float = 0.0
@@ -92,7 +101,7 @@ class FakeWorker:
     async def health(self, request):
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        if self.fail in ("500", "hang"):
+        if self.fail in ("500", "hang") and self.fail_if is None:
             return web.Response(status=500 if self.fail == "500" else 503)
         return web.Response(text="")
 
@@ -146,11 +155,12 @@ class FakeWorker:
         body = await request.json()
         if self.keep_bodies:
             self.received.append(body)
-        if self.fail == "500" and not self.fail_after_tokens:
+        fail = self.fail if self.fail_if is None or self.fail_if(body) else None
+        if fail == "500" and not self.fail_after_tokens:
             return web.json_response({"error": {"message": "fake failure", "code": 500}}, status=500)
-        if self.fail in ("hang", "stall") and not self.fail_after_tokens:
+        if fail in ("hang", "stall") and not self.fail_after_tokens:
             await asyncio.sleep(3600)
-        if (self.fail == "drop" and not self.fail_after_tokens) or self.drop_next > 0:
+        if (fail == "drop" and not self.fail_after_tokens) or self.drop_next > 0:
             self.drop_next = max(0, self.drop_next - 1)
             request.transport.close()
             return web.Response()
@@ -163,14 +173,21 @@ class FakeWorker:
         await asyncio.sleep(self.prefill_s + self.prefill_s_per_token * n_prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-fake{self.requests}"
         created = int(time.time())
+        seed = body.get("seed")
+        tok = f"s{seed}t" if seed is not None else "t"
+        prompt_ids = None
+        if body.get("return_token_ids") and not chat:
+            prompt_ids = prompt if isinstance(prompt, list) else list(range(n_prompt))
         if not body.get("stream"):
             await asyncio.sleep(self.decode_s * (max_tokens - 1))
             ids = list(range(1, max_tokens + 1))
-            text = " ".join(f"t{i}" for i in ids)
+            text = " ".join(f"{tok}{i}" for i in ids)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "finish_reason": "length"})
             if body.get("return_token_ids"):
                 choice["token_ids"] = ids
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids
             answer = {
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model, "choices": [choice], "kv_transfer_params": self._kv_answer(body),
@@ -184,18 +201,20 @@ class FakeWorker:
         for i in range(1, max_tokens + 1):
             if i > 1:
                 await asyncio.sleep(self.decode_s)
-            if self.fail and self.fail_after_tokens and i > self.fail_after_tokens:
-                if self.fail in ("hang", "stall"):
+            if fail and self.fail_after_tokens and i > self.fail_after_tokens:
+                if fail in ("hang", "stall"):
                     await asyncio.sleep(3600)
                 request.transport.close()
                 return resp
             last = i == max_tokens
             if chat:
-                choice = {"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": "length" if last else None}
+                choice = {"index": 0, "delta": {"content": f" {tok}{i}"}, "finish_reason": "length" if last else None}
             else:
-                choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
+                choice = {"index": 0, "text": f" {tok}{i}", "finish_reason": "length" if last else None}
             if body.get("return_token_ids"):
                 choice["token_ids"] = [i]
+                if i == 1 and prompt_ids is not None:
+                    choice["prompt_token_ids"] = prompt_ids
             chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": self.model, "choices": [choice]}
             if self.pad_bytes:

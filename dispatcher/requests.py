@@ -4,7 +4,9 @@ The dispatcher forwards the client's body to the workers (vLLM's OpenAI
 servers), so every sampling parameter vLLM knows keeps working; it only
 
 * checks what it must read itself (``prompt``/``messages``, ``max_tokens``,
-  ``stream``, ``n``, ``model``) and answers 400 naming the field;
+  ``stream``, ``n``, ``model``) and answers 400 naming the field (``n`` > 1 and
+  lists of prompts are split into one request per completion before this, by
+  :mod:`proserve.dispatcher.fanout`);
 * removes what only it may set: ``priority`` and ``slo`` (resolved by
   :mod:`proserve.dispatcher.auth`), ``kv_transfer_params``, and the scheduling keys of
   ``vllm_xargs`` (a client must not raise its own priority by writing them);
@@ -76,16 +78,43 @@ def _token_ids(v: list, where: str) -> list[int]:
     return v
 
 
+def split_prompts(prompt: Any) -> list:
+    """The prompts of a /v1/completions ``prompt`` field, in order, each a string or a
+    token-id list, in vLLM's forms: a string, a token-id list, a list of strings or a list
+    of token-id lists (not a mix). 400 for anything else, an empty list or an empty prompt."""
+    if isinstance(prompt, str):
+        parse_prompt(prompt)
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise ApiError(400, f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                       param="prompt")
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if all(isinstance(x, str) for x in prompt) or all(isinstance(x, list) for x in prompt):
+        for i, x in enumerate(prompt):
+            if isinstance(x, str):
+                if not x:
+                    raise ApiError(400, f"prompt[{i}] is empty", param="prompt")
+            else:
+                _token_ids(x, f"prompt[{i}]")
+        return list(prompt)
+    if any(isinstance(x, (str, list)) for x in prompt):
+        raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings or a list of "
+                            "token-id lists (not a mix)", param="prompt")
+    return [_token_ids(prompt, "prompt")]
+
+
 def parse_prompt(prompt: Any) -> list[int] | None:
-    """Token ids of a token-id prompt, None for a text prompt; 400 for anything else."""
+    """Token ids of a token-id prompt, None for a text prompt; 400 for anything else.
+    One prompt: several (a list of strings or of token-id lists) are split into one
+    request each before this, by :mod:`proserve.dispatcher.fanout`."""
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "prompt is empty", param="prompt")
         return None
     if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
         if len(prompt) != 1:
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts; the dispatcher takes one prompt per "
-                                f"request (send them as separate requests)", param="prompt")
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts where one was expected", param="prompt")
         return parse_prompt(prompt[0])
     if isinstance(prompt, list):
         return _token_ids(prompt, "prompt")
@@ -123,9 +152,8 @@ def make_job(path: str, body: dict, grant: Grant, arrival: float, model: str | N
         prompt_ids = parse_prompt(body["prompt"])
         max_tokens = _int(body, "max_tokens", 1)
     n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise ApiError(400, f"n = {n} is not supported: the dispatcher serves one completion per request",
-                       param="n")
+    if n not in (None, 1):   # fanout.split turns n > 1 into n requests before this
+        raise ApiError(400, f"n = {n} where one completion was expected", param="n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", param="stream")

@@ -23,6 +23,10 @@ One request, disaggregated (§4.3):
 Co-located deployment: one leg, the whole request on the chosen instance; the
 first streamed token is its completion signal.
 
+A request for several completions (``n`` > 1, a list of prompts) is split into
+one request per completion, each admitted, routed and run as above, and the
+answers merged as vLLM merges them (:mod:`proserve.dispatcher.fanout`).
+
 Failures: a 4xx from a worker is the client's error and is passed on as is
 (but a 401 means the workers reject the dispatcher's own worker key: a
 configuration error, logged loudly; the worker leaves the candidate set and
@@ -79,6 +83,7 @@ from proserve.scheduler.registry import make_global
 from proserve.scheduler.routing.base import COLOCATED
 from proserve.scheduler.tdg import slo_attained
 
+from . import fanout
 from .auth import Authorizer, Grant
 from .config import DispatcherConfig, KeyEntry
 from .errors import ApiError, UpstreamError, error_body
@@ -950,9 +955,17 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 except ApiError:
                     M.rejected.labels("bad_json").inc()
                     raise
-                job = await D.admit(path, body, entry, arrival)
+                # n > 1 or several prompts: one request per completion, run and merged as one
+                # (dispatcher.fanout); the FanOut is then the job, its runner and its slots
+                run = D
+                fan = fanout.split(path, body)
+                if fan is None:
+                    job = await D.admit(path, body, entry, arrival)
+                else:
+                    slot = run = job = await fanout.FanOut.admit(D, path, fan, entry, arrival, slot)
             except ApiError as e:
-                M.requests.labels("-", "auth_error" if e.status in (401, 403) else "client_error").inc()
+                M.requests.labels("-", "auth_error" if e.status in (401, 403) else
+                                  "rejected" if e.status == 429 else "client_error").inc()
                 return error(e, close=not body_read)
             except ClientDisconnect:
                 M.requests.labels("-", "cancelled").inc()
@@ -972,13 +985,13 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 nonlocal ended
                 if not ended:
                     ended = True
-                    D.finish(job, outcome, err)
+                    run.finish(job, outcome, err)
                     M.in_flight.dec()
                     if release:
                         slot.release()
 
             deadline = asyncio.get_running_loop().time() + D.cfg.request_timeout_s
-            agen = D.events(job)
+            agen = run.events(job)
             watch = _DisconnectWatch(request.receive)
             try:
                 # until the first chunk (or the whole unstreamed response), so that errors
@@ -986,14 +999,14 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
                 async with asyncio.timeout_at(deadline):
                     t, first = await agen.__anext__()
                 watch.disarm()
-                D.count_tokens(job, t, first)
+                run.count_tokens(job, t, first)
                 if not job.stream:
                     _strip(job, first)
                     end("ok", release=False)
                     answer = _Answer(first, slot.release, deadline, headers=_headers(job))
                     slot_kept = True              # by the answer, until it is written
                     return answer
-                gen = _sse(job, agen, first, deadline, end)
+                gen = _sse(run, job, agen, first, deadline, end)
 
                 async def on_close():
                     await gen.aclose()      # runs _sse's cleanup if Starlette left it suspended
@@ -1037,13 +1050,13 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
             if not (handed_over or slot_kept):
                 slot.release()
 
-    async def _sse(job: Job, agen, first: dict, deadline: float, end):
+    async def _sse(run, job: Job, agen, first: dict, deadline: float, end):
         outcome, err = "ok", None
         try:
             yield _event(job, first)
             async with asyncio.timeout_at(deadline):
                 async for t, chunk in agen:
-                    D.count_tokens(job, t, chunk)
+                    run.count_tokens(job, t, chunk)
                     if not job.want_usage and not chunk.get("choices") and "usage" in chunk:
                         continue
                     yield _event(job, chunk)
