@@ -78,7 +78,7 @@ TRUTH = LatencyModel(MODEL.a_p * 1.3, MODEL.b_p * 1.3, MODEL.c_p * 1.3, MODEL.a_
 BLOCK_SIZE = 16
 #: the simulator's KV blocks per mode, few enough to fill up; vLLM's pool has one more (its null
 #: block), so that both show the policy the same free blocks and the same 1 % admission reserve
-BLOCKS = {COLOCATED: 300, PREFILL_ONLY: 100}
+BLOCKS = {COLOCATED: 300, PREFILL_ONLY: 116}   # sized so that no policy preempts at its defaults
 GAIN = GainConfig()
 THETA, WINDOW_S = 0.8, 1.0
 T0 = 1000.0        # simulated seconds; the plugin takes arrival times as Unix times (> 0)

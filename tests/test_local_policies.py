@@ -47,7 +47,13 @@ def est() -> Estimator:
     return Estimator(MODEL)
 
 
+#: SlideBatching's own rules beyond the paper off: the hand-computed tests below are of Algorithm 1
+ALG1 = {"headroom": 0.0, "age_limit": None}
+
+
 def policy(name: str, **params):
+    if name in SLIDE_FAMILY:
+        params = {**ALG1, **params}
     return make_local(name, est(), **params)
 
 
@@ -644,28 +650,40 @@ def test_slide_without_aging_a_low_density_request_gets_nothing():
 
 def test_slide_aged_request_runs_first_within_its_share():
     old, hi2, hi1 = _starving_queue()
-    # age_limit 2: old has waited 3 s >= 2·TTFT_SLO: AGED. Share 0.5 of t_budget 0.1:
-    # old gets (0.05 - 0.01)/1 ms = 40 tokens, then Algorithm 1's order fills the rest: hi2 (0.1 - 0.05)/1 ms
-    plan = policy("slide_batching", age_limit=2.0, age_share=0.5).schedule(
+    # age_limit 2: old has waited 3 s >= 2·TTFT_SLO: AGED; its work 0.5 s is 0.59 of the
+    # queue's 0.85 s, within ρ = 0.6. It runs first within 0.6 of the budget beyond t_c:
+    # 0.01 + 0.6·0.09 = 0.064 -> 54 tokens; Algorithm 1's order fills the rest: hi2 (0.1 - 0.064)/1 ms = 36
+    plan = policy("slide_batching", age_limit=2.0, age_share=0.6).schedule(
         view([old, hi2, hi1], mode=PREFILL_ONLY))
     got = dict(chunks(plan))
-    assert next(iter(got)) == "old" and got["old"] == pytest.approx(40, abs=1)
-    assert got["hi2"] == pytest.approx(50, abs=1) and "hi1" not in got
+    assert next(iter(got)) == "old" and got["old"] == pytest.approx(54, abs=1)
+    assert got["hi2"] == pytest.approx(36, abs=1) and "hi1" not in got
     assert plan.info.est_time <= plan.info.t_budget + 1e-12
     # not aged yet at age_limit 4 (3 s < 4 s): the plan of Algorithm 1
-    plan = policy("slide_batching", age_limit=4.0).schedule(view([old, hi2, hi1], mode=PREFILL_ONLY))
+    plan = policy("slide_batching", age_limit=4.0, age_share=0.6).schedule(view([old, hi2, hi1], mode=PREFILL_ONLY))
     assert chunks(plan) == [("hi2", 90)]
 
 
-def test_slide_aged_requests_oldest_first_and_leftover_budget_is_theirs():
-    # two aged requests, nothing else: the older first; the share caps only what goes
-    # *before* Algorithm 1's order, so when nobody else wants the budget the aged use all of it
-    a = wait("a", -3.0, 30)
-    b = wait("b", -4.0, 500)
-    plan = policy("slide_batching", age_limit=2.0, age_share=0.5).schedule(view([a, b], mode=PREFILL_ONLY))
-    got = chunks(plan)
-    assert got[0][0] == "b"
-    assert sum(n for _, n in got) == pytest.approx(90, abs=2)      # (0.1 - 0.01)/1 ms in all
+def test_slide_aging_stands_aside_past_saturation():
+    # ρ = 0.5: the aged work (0.5 s of 0.85 s queued) is more than half of the queue: the
+    # instance is past saturation as aging judges it, and Algorithm 1 alone decides
+    old, hi2, hi1 = _starving_queue()
+    plan = policy("slide_batching", age_limit=2.0, age_share=0.5).schedule(view([old, hi2, hi1], mode=PREFILL_ONLY))
+    assert chunks(plan) == [("hi2", 90)]
+
+
+def test_slide_aged_chunk_grows_into_budget_nobody_else_can_use():
+    # aged b (prompt 300, 0.3 s of work) and new n (prompt 400, not aged); 20 free blocks of 16:
+    # b's whole prompt fits (19 blocks), n's does not (25), so n is not admitted.
+    # Pass 1: b gets 0.5 of the 0.09 s beyond t_c = 45 tokens; pass 2: n cannot take blocks;
+    # the 0.045 s left grows b's chunk in place to 90 tokens.
+    b = wait("b", -3.0, 300)
+    n = wait("n", 0.0, 400)
+    plan = policy("slide_batching", age_limit=2.0, age_share=0.5).schedule(
+        view([b, n], mode=PREFILL_ONLY, free_blocks=20))
+    [(rid, k)] = chunks(plan)
+    assert rid == "b" and k == pytest.approx(90, abs=1)
+    assert plan.info.est_time <= plan.info.t_budget + 1e-12
 
 
 def test_ablations_on_the_high_load_queue():

@@ -182,7 +182,9 @@ class BatchBuilder:
                 old_cost = self.est.prefill(n, req.kv_len)
                 m = min(self.est.get_max_chunk(req.kv_len, req.remaining_prefill, old_cost + left),
                         req.remaining_prefill)
-                while m > n and blocks_for(req, m, bs) - blocks_for(req, n, bs) > self.free_blocks:
+                # the chunk's blocks are taken already; the growth must fit what req may take
+                # (above the reserve if it holds no KV yet: add_prefill's rule)
+                while m > n and blocks_for(req, m, bs) - blocks_for(req, n, bs) > self.available_blocks(req):
                     m = n + (m - n) // 2     # memory short: a smaller growth
                 if m <= n:
                     return 0
