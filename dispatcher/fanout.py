@@ -34,7 +34,9 @@ Checks, before any work (400): ``n`` an integer >= 1; at most
 :data:`MAX_FANOUT` completions per request (``n`` × prompts; vLLM's own caps are
 ``VLLM_MAX_N_SEQUENCES`` = 16384 and ``VLLM_MAX_COMPLETION_PROMPTS`` = 1024, but
 it runs them in one engine request, where the dispatcher runs a routed request
-each); ``n > 1`` with greedy sampling (``temperature`` 0) refused with vLLM
+each), and no more than the client's concurrency limits (``max_concurrent``,
+``max_concurrent_per_key``) can ever hold at once (a 429 would be retried for
+ever); ``n > 1`` with greedy sampling (``temperature`` 0) refused with vLLM
 0.32's message; ``n > 1`` with ``use_beam_search`` refused (vLLM's beam width is
 ``n``: one request, which cannot be split); a ``seed`` that is not an integer,
 or whose ``seed + n - 1`` passes 2⁶³-1. ``best_of`` is passed on untouched:
@@ -257,6 +259,14 @@ class FanOut:
         the client's first (429 when they are not all free: nothing starts) and the
         Dispatcher's checks (auth, body, prompt count, context)."""
         n, subs = split
+        lim = d.limiter
+        most = lim.max_total if slot.client is None else min(lim.max_total, lim.max_per_client)
+        if len(subs) > most:
+            # more slots than the limits ever grant at once: a 429 would be retried for ever
+            raise ApiError(400, f"this request asks for {len(subs)} completions, each a request of its own, and "
+                                f"at most {most} may be in progress at once for this client (the dispatcher's "
+                                f"concurrency limit); send fewer (n × prompts)",
+                           param="n" if n > 1 else "prompt")
         slots = [slot]
         try:
             for _ in subs[1:]:

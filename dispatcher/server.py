@@ -313,8 +313,8 @@ class Dispatcher:
         if self.admission is None:
             return None
         ps = self.registry.live_prefill()
-        if not ps:
-            return None                      # _route answers 503
+        if not ps or not (self.colocated or self.registry.live_decode()):
+            return None                      # _route answers 503 (not 429: no retry can help soon)
         dec = self.admission.decide(job.sreq, [w.state for w in ps], now)
         asked = job.grant.cls.name
         self.metrics.admission.labels(asked, dec.decision, dec.reason or "-").inc()
@@ -654,14 +654,16 @@ def _refusal(job: Job, dec: AdmissionDecision) -> ApiError:
                     code=dec.reason, headers={"retry-after": str(dec.retry_after_s)})
 
 
-def _headers(job: Job) -> dict[str, str]:
+def _headers(job: Job | fanout.FanOut) -> dict[str, str]:
     """Response headers: the request id, and the class it was served in when admission
-    control downgraded it."""
+    control downgraded it. A fanned-out request: the class of each choice, in index
+    order, when any of its sub-requests was downgraded (each is admitted on its own)."""
     h = {"x-request-id": job.id}
-    down = job.record.get("downgraded_from")
-    if down is not None:
-        h["x-proserve-priority"] = job.grant.cls.name
-        h["x-proserve-downgraded-from"] = down
+    subs = job.jobs if isinstance(job, fanout.FanOut) else [job]
+    down = [j.record.get("downgraded_from") for j in subs if j.record.get("downgraded_from") is not None]
+    if down:
+        h["x-proserve-priority"] = ", ".join(j.grant.cls.name for j in subs)
+        h["x-proserve-downgraded-from"] = down[0]
     return h
 
 

@@ -225,6 +225,8 @@ def test_dispatcher_and_simulator_decide_alike_from_the_same_state(deployment):
         for w in d.registry.prefill:
             w.healthy = True
             w.state.estimator = Estimator(MODEL)
+        for w in d.registry.decode:
+            w.healthy = True      # (with no live decode instance the dispatcher answers 503 first)
         t0 = 10.0
         for i in range(3):
             for k in range(rng.randrange(7)):

@@ -242,12 +242,15 @@ def test_a_sub_request_that_does_not_fit_fails_the_request_before_any_work():
 
 def test_every_sub_request_takes_a_slot_429_when_they_are_not_all_free():
     async def go():
-        async with harness(max_concurrent_per_key=2) as h:
+        async with harness(max_concurrent_per_key=3) as h:
+            held = h.d.limiter.acquire("acme")       # one of the client's 3 slots is taken
             r = await h.post("/v1/completions", body(n=3))
             err = r.json()["error"]
             assert r.status_code == 429 and err["code"] == "too_many_concurrent_requests_for_key"
             assert "asks for 3 completions" in err["message"] and r.headers["retry-after"] == "1"
-            assert all_received(h) == [] and h.d.limiter.total == 0 and h.d.limiter.per_client == {}
+            assert all_received(h) == [] and h.d.limiter.per_client == {"acme": 1}
+            held.release()
+            assert h.d.limiter.total == 0 and h.d.limiter.per_client == {}
             m = await h.metrics()
             assert metric(m, "proserve:dispatcher_rejected_total", reason="client_overloaded") == 1
             assert metric(m, "proserve:dispatcher_requests_total", outcome="rejected") == 1
