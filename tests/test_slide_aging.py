@@ -32,7 +32,7 @@ def _run(**params):
 
 def test_without_aging_the_long_low_prompts_wait_until_the_burst_ends():
     low, _ = _run(age_limit=None)
-    assert max(low) > 30.0          # two of them wait for the whole burst (about 69 s)
+    assert max(low) > 30.0          # two of them wait for the whole burst (about 74 s)
 
 
 def test_aging_bounds_the_wait_for_a_first_token():
