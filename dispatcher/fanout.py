@@ -244,8 +244,10 @@ class FanOut:
         self.record: dict = {}                          # each sub-request keeps its own record
         self.failed: int | None = None                 # the sub-request whose failure ended the request
         self.streamed: list[bool] = [False] * len(jobs)   # streams that ended with all their chunks sent
+        ids = frozenset(j.sreq.id for j in jobs)
         for k, j in enumerate(jobs):
             j.record["fanout"] = {"id": self.id, "index": k, "of": len(jobs)}
+            j.fanout_ids = ids     # one client request: admission's caps let it in whole
         dispatcher.metrics.in_flight.inc(len(jobs) - 1)   # the request entry counts the first
 
     @property

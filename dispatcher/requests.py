@@ -47,6 +47,9 @@ class Job:
     prompt_len: int = 0
     sreq: Request | None = None     # the scheduler's view (PrefillQueueMap entry, TDG scoring)
     record: dict = field(default_factory=dict)
+    #: the scheduler ids of the sub-requests of the fan-out this job is part of (dispatcher.fanout;
+    #: empty for a plain request): admission's queue caps do not count them against each other
+    fanout_ids: frozenset = frozenset()
 
     @property
     def is_chat(self) -> bool:

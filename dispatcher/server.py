@@ -315,7 +315,7 @@ class Dispatcher:
         ps = self.registry.live_prefill()
         if not ps or not (self.colocated or self.registry.live_decode()):
             return None                      # _route answers 503 (not 429: no retry can help soon)
-        dec = self.admission.decide(job.sreq, [w.state for w in ps], now)
+        dec = self.admission.decide(job.sreq, [w.state for w in ps], now, job.fanout_ids)
         asked = job.grant.cls.name
         self.metrics.admission.labels(asked, dec.decision, dec.reason or "-").inc()
         job.record["admission"] = dec.decision

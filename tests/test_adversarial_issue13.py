@@ -142,6 +142,27 @@ def test_concurrent_fanouts_at_the_concurrency_limit_give_every_slot_back():
     run(go())
 
 
+
+@pytest.mark.parametrize("cap", [{"max_queued_requests": 1}, {"max_queued_tokens": 10}])
+def test_a_fanout_larger_than_the_queue_caps_is_served_on_an_idle_cluster(cap):
+    """Found: the sub-requests of one fan-out counted against each other's queue caps, so on
+    an idle cluster n = 2 under max_queued_requests = 1 got 429 queue_full (Retry-After 1 s)
+    for ever, after its first sub-request's prefill had started. One client request may
+    take an instance over a cap, as one long prompt may; others' requests still count."""
+    async def go():
+        async with harness(**cap) as h:
+            r = await h.post("/v1/completions", body(n=3))
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+            r = await h.post("/v1/completions", body(prompt=[[1] * 20, [2] * 20], stream=False))
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+            await settled(h)
+            calls = sum(w.requests for w in h.prefills + h.decodes)
+            backlog(h, 0, 100.0)                # someone else's request at the cap
+            r = await h.post("/v1/completions", body(n=3))
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            assert sum(w.requests for w in h.prefills + h.decodes) == calls
+    run(go())
+
 # -- the admission rule: a property test ----------------------------------------------------------------
 def test_admission_rule_properties_on_random_states():
     """Random queues, classes (high > mid > low), actions and caps: a refusal has no instance
