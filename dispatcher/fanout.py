@@ -25,6 +25,11 @@ and record. The answers are merged in vLLM's order and form:
   with ``n > 1`` (its V1 engine splits the request into n child requests,
   ``vllm/v1/engine/parallel_sampling.py``: ``child_sampling_params.seed = seed + index``),
   so a seeded request gives n different samples, the same for every prompt of a list;
+* **admission control** (when configured) decides every part before any is
+  routed, each on the cluster as it is (not queued behind its own siblings,
+  which would refuse an ``n`` larger than the queue caps, or than fits the TTFT
+  SLO back to back, on an idle cluster for ever); a part refused refuses the
+  whole request (429) before any prefill work;
 * **failure**: the first sub-request that fails fails the whole request (its
   status and message, or an SSE ``error`` event once chunks were sent); the
   others are cancelled upstream, and every sub-request ends (its record, its
@@ -244,10 +249,8 @@ class FanOut:
         self.record: dict = {}                          # each sub-request keeps its own record
         self.failed: int | None = None                 # the sub-request whose failure ended the request
         self.streamed: list[bool] = [False] * len(jobs)   # streams that ended with all their chunks sent
-        ids = frozenset(j.sreq.id for j in jobs)
         for k, j in enumerate(jobs):
             j.record["fanout"] = {"id": self.id, "index": k, "of": len(jobs)}
-            j.fanout_ids = ids     # one client request: admission's caps let it in whole
         dispatcher.metrics.in_flight.inc(len(jobs) - 1)   # the request entry counts the first
 
     @property
@@ -311,6 +314,17 @@ class FanOut:
         sub-streams' chunks as they come, renumbered, then the summed usage chunk.
         Raises the first sub-request's error; closing it cancels every sub-request."""
         d, jobs = self.d, self.jobs
+        # admission control for every part at once, before any is routed: each is judged
+        # on the cluster as it is, not behind its own siblings (else an n larger than the
+        # queue caps, or than what fits the TTFT SLO back to back, would be refused on an
+        # idle cluster for ever), and a refusal comes before any prefill work
+        now = time.time()
+        for k, j in enumerate(jobs):
+            try:
+                d._admit(j, now)
+            except ApiError:
+                self.failed = k
+                raise
         # one bounded queue for all sub-streams: a slow client slows them all (back-pressure)
         queue: asyncio.Queue = asyncio.Queue(max(d.cfg.stream_queue_events, len(jobs)))
 

@@ -47,9 +47,10 @@ class Job:
     prompt_len: int = 0
     sreq: Request | None = None     # the scheduler's view (PrefillQueueMap entry, TDG scoring)
     record: dict = field(default_factory=dict)
-    #: the scheduler ids of the sub-requests of the fan-out this job is part of (dispatcher.fanout;
-    #: empty for a plain request): admission's queue caps do not count them against each other
-    fanout_ids: frozenset = frozenset()
+    #: admission control's decision, once taken (Dispatcher._admit): the ids of the instances
+    #: it may go to (None: any). A fan-out takes it for all its parts before any is routed
+    admitted: bool = False
+    allowed: set[int] | None = None
 
     @property
     def is_chat(self) -> bool:

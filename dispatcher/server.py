@@ -309,13 +309,14 @@ class Dispatcher:
         """Admission control before the first routing (no prefill work spent yet): 429 when
         the request is refused, its class changed when downgraded. The ids of the
         instances it may go to (under the queue caps), or None for any. The simulator
-        applies the same rule at the same point (``proserve.sim.cluster.Simulator._admit``)."""
-        if self.admission is None:
-            return None
+        applies the same rule at the same point (``proserve.sim.cluster.Simulator._admit``).
+        Taken once: a fan-out takes it for all its parts first (``FanOut.events``)."""
+        if self.admission is None or job.admitted:
+            return job.allowed
         ps = self.registry.live_prefill()
         if not ps or not (self.colocated or self.registry.live_decode()):
             return None                      # _route answers 503 (not 429: no retry can help soon)
-        dec = self.admission.decide(job.sreq, [w.state for w in ps], now, job.fanout_ids)
+        dec = self.admission.decide(job.sreq, [w.state for w in ps], now)
         asked = job.grant.cls.name
         self.metrics.admission.labels(asked, dec.decision, dec.reason or "-").inc()
         job.record["admission"] = dec.decision
@@ -326,7 +327,8 @@ class Dispatcher:
             raise _refusal(job, dec)
         if dec.served is not None and dec.served.name != asked:
             self._downgrade(job, dec.served)
-        return {st.id for st in dec.instances}
+        job.admitted, job.allowed = True, {st.id for st in dec.instances}
+        return job.allowed
 
     def _downgrade(self, job: Job, cls) -> None:
         """Serve ``job`` in class ``cls``: its weight and SLOs, on the workers and in the metrics."""

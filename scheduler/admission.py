@@ -27,10 +27,9 @@ take (the router sees the same instances, state and time).
 prefill (or co-located) instance, the requests in ``PrefillQueueMap[p]`` and their
 queued prompt tokens (as known at dispatch). An instance at a cap takes no new
 request; the request is routed among the others. An instance under the caps takes a
-request even if it goes over them (one long prompt; or one client request split into
-several, the dispatcher's ``n`` > 1 / prompt list, whose parts do not count against
-each other: else a fan-out larger than the caps would be refused on an idle cluster,
-for ever). When every instance is at a cap the
+request even if it goes over them (one long prompt; or the parts of one client request
+the dispatcher split, ``n`` > 1 or a prompt list, which it decides for all at once,
+before any is queued: see ``proserve.dispatcher.fanout``). When every instance is at a cap the
 request is refused (reason ``queue_full``) whatever its class: queueing would pass the
 cap, and a lower class would queue in the same full queues, so no action can fit it.
 
@@ -54,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from . import validate
 from .request import ConfigError, PriorityClass, Request
@@ -173,26 +172,21 @@ class Admission:
         self.eta = resolve_eta(eta, self.classes, "admission")
 
     # -- caps --------------------------------------------------------------------------------
-    def has_room(self, p: PrefillInstance, own: Collection[str] = ()) -> bool:
-        """Whether ``p`` is under both caps (a request may take it over them). ``own``: ids of
-        queued requests that are parts of the same client request (the dispatcher's fan-out
-        of ``n`` > 1 or a prompt list), not counted: one client request may take an
-        instance over a cap, as one long prompt may."""
+    def has_room(self, p: PrefillInstance) -> bool:
+        """Whether ``p`` is under both caps (a request may take it over them)."""
         c = self.config
-        queue = [r for r in p.queue if r.id not in own] if own else p.queue
-        if c.max_queued_requests is not None and len(queue) >= c.max_queued_requests:
+        if c.max_queued_requests is not None and len(p.queue) >= c.max_queued_requests:
             return False
-        if c.max_queued_tokens is not None and sum(queued_work(p, r)[0] for r in queue) >= c.max_queued_tokens:
+        if c.max_queued_tokens is not None and queued_tokens(p) >= c.max_queued_tokens:
             return False
         return True
 
     # -- the decision ------------------------------------------------------------------------------
-    def decide(self, req: Request, prefills: Sequence[PrefillInstance], now: float,
-               own: Collection[str] = ()) -> AdmissionDecision:
+    def decide(self, req: Request, prefills: Sequence[PrefillInstance], now: float) -> AdmissionDecision:
         """Admit, queue, downgrade or refuse ``req`` arriving at ``now``, given the instances it
-        could be routed to (at least one); ``own``: see :meth:`has_room`."""
+        could be routed to (at least one)."""
         asked = req.priority
-        room = [p for p in prefills if self.has_room(p, own)] if self.config.capped else list(prefills)
+        room = [p for p in prefills if self.has_room(p)] if self.config.capped else list(prefills)
         if not room:
             ests = [evaluate(p, req, now, self.gain, self.deployment, self.eta, with_gain=False) for p in prefills]
             return AdmissionDecision(REJECT, asked, None, QUEUE_FULL, [], _retry_after(ests))

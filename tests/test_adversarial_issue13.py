@@ -163,6 +163,29 @@ def test_a_fanout_larger_than_the_queue_caps_is_served_on_an_idle_cluster(cap):
             assert sum(w.requests for w in h.prefills + h.decodes) == calls
     run(go())
 
+
+def test_a_fanout_is_not_refused_behind_its_own_parts_and_a_refusal_spends_no_work():
+    """Found: each part of a fan-out was admitted as it started, behind the parts before it,
+    so on an idle cluster n = 4 prompts of 0.41 s prefill against a 1 s TTFT SLO (low =
+    reject) got 429 slo_unreachable with Retry-After 1 s for ever, and the first part's
+    prefill had been sent before the refusal. Now every part is judged first, on the
+    cluster as it is, and a refused part refuses the whole request before any work."""
+    async def go():
+        async with harness(on_overload={"low": "reject"}) as h:
+            models(h)                                   # 1 ms per prompt token + 10 ms per batch
+            r = await h.post("/v1/completions", body(n=4, prompt=[1] * 400), key=LOW)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+            await settled(h)
+            calls = sum(w.requests for w in h.prefills + h.decodes)
+            # behind 0.5 s of someone else's work: a 40-token prompt meets 1 s, a 900-token one not
+            backlog(h, 0, 0.5)
+            h.d.registry.prefill[0].state.ts = 1e18     # no lag: the backlog stays 0.5 s however slow this host
+            r = await h.post("/v1/completions", body(prompt=[[1] * 40, [2] * 900]), key=LOW)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unreachable", r.text
+            assert sum(w.requests for w in h.prefills + h.decodes) == calls      # no part was sent
+            await settled(h)
+    run(go())
+
 # -- the admission rule: a property test ----------------------------------------------------------------
 def test_admission_rule_properties_on_random_states():
     """Random queues, classes (high > mid > low), actions and caps: a refusal has no instance
