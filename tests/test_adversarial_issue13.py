@@ -355,3 +355,22 @@ def test_slide_batching_plans_hold_their_invariants_on_random_queues():
                 plain = SlideBatching(est, **{**kw, "age_limit": None}).schedule(view)
                 assert key(plan) == key(plain)
     assert fired > 50 and guarded > 50      # both branches were exercised
+
+
+def test_headroom_0_without_aging_is_algorithm_1_but_for_the_least_step():
+    """η below one item's cost: Algorithm 1's loop (lines 14-18) plans nothing; the policy
+    takes one least step (one block of the first prompt in order) so the instance moves."""
+    from proserve.profiler.modelfile import BUNDLED, load
+    from proserve.scheduler import Estimator, Request
+    from proserve.scheduler.local.base import BatchBuilder, InstanceView
+    from proserve.scheduler.local.slide_batching import SlideBatching
+
+    est = Estimator(load(BUNDLED))
+    reqs = [Request(f"r{i}", "high", 2.0, 1.0, 0.1, 0.0, 500) for i in range(3)]
+    view = InstanceView(5.0, reqs, block_size=16)     # every TTFT deadline passed: t_budget = η
+    sb = SlideBatching(est, eta=est.t_c / 2, headroom=0.0, age_limit=None)
+    plan = sb.schedule(view)
+    alg1 = BatchBuilder(view, est)
+    sb._fill_time(alg1, reqs, [1.0] * 3, [0, 1, 2], plan.info.t_budget)
+    assert alg1.plan.empty and plan.info.t_budget == est.t_c / 2
+    assert [(r.id, n) for r, n in plan.prefill] == [("r0", 16)] and plan.decode == []

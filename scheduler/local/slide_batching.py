@@ -26,7 +26,10 @@ Defaults, which the paper leaves open:
   φ_p on prefill-only instances; ``"a"``, ``"c"`` or ``"p"`` force one.
 
 Two rules the paper does not have (issue 13; ``headroom=0, age_limit=None``
-gives Algorithm 1 exactly). Defaults measured in docs/results.md §10:
+gives Algorithm 1's plan exactly whenever that plan is not empty; when nothing fits
+the budget, e.g. η below one item's cost, Algorithm 1 plans nothing and this takes one
+least step instead, :meth:`SlideBatching._least_step`). Defaults measured in
+docs/results.md §10:
 
 * ``headroom = h``: TPOT headroom. Line 7 becomes
   ``t_budget = max(min remain − h·η, (1 − h)·η)``: each step is planned to end
