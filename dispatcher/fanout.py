@@ -331,8 +331,12 @@ class FanOut:
         async def pump(k: int) -> None:
             agen = d.events(jobs[k])
             try:
+                sent = False
                 async for t, chunk in agen:
+                    sent = True
                     await queue.put((k, t, chunk))
+                if not sent:                # as a plain request's empty answer: 502, not a missing choice
+                    raise ApiError(502, f"the worker sent no response (sub-request {k})")
                 await queue.put((k, 0.0, _DONE))
             except Exception as e:          # the sub-request failed: ApiError, UpstreamError...
                 await queue.put((k, 0.0, e))

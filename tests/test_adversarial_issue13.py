@@ -374,3 +374,38 @@ def test_headroom_0_without_aging_is_algorithm_1_but_for_the_least_step():
     sb._fill_time(alg1, reqs, [1.0] * 3, [0, 1, 2], plan.info.t_budget)
     assert alg1.plan.empty and plan.info.t_budget == est.t_c / 2
     assert [(r.id, n) for r, n in plan.prefill] == [("r0", 16)] and plan.decode == []
+
+
+def test_an_empty_sub_stream_fails_the_fanout_instead_of_dropping_its_choice():
+    """Found: a worker answering one part of a streamed fan-out with an empty stream (200,
+    then [DONE] with no chunk) gave the client a 200 stream missing that choice (and the
+    usage chunk), counted ok; a plain request gets 502 for the same answer."""
+    from aiohttp import web
+
+    async def go():
+        async with harness(colocated=True) as h:
+            w = h.prefills[0]
+            generate = w._generate_inner
+
+            async def empty_for_seed_1(request, chat):
+                b = await request.json()
+                if b.get("seed") != 1:
+                    return await generate(request, chat)
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(request)
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+
+            w._generate_inner = empty_for_seed_1
+            st, ev = await h.stream("/v1/completions", body(n=3, seed=0, stream_options={"include_usage": True}))
+            errors = [e for e in ev if isinstance(e, dict) and "error" in e]
+            if st == 200:
+                assert len(errors) == 1 and errors[0]["error"]["code"] == 502 and ev[-1] == "[DONE]", ev
+            else:
+                assert st == 502, ev
+            await settled(h)
+            m = await h.metrics()
+            assert metric(m, "proserve:dispatcher_requests_total", outcome="upstream_error") == 1
+            assert metric(m, "proserve:dispatcher_requests_total", outcome="ok") < 3
+    run(go())
