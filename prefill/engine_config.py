@@ -64,6 +64,9 @@ class EngineConfig:
         validate.one_of(where, "mode", cfg.mode, MODES)
         if cfg.local_policy != STOCK:
             registry.local_policy(cfg.local_policy)  # raises ConfigError listing the names
+            if registry.is_clairvoyant(cfg.local_policy):
+                validate.fail(where, "local_policy", "a policy an engine can run (clairvoyant ones read the "
+                              "true output length, which only the simulator knows)", cfg.local_policy)
         if not isinstance(cfg.policy_params, dict):
             validate.fail(where, "policy_params", "an object", cfg.policy_params)
         return cfg

@@ -45,12 +45,21 @@ def local_policy(name: str) -> type:
     return _lookup(_LOCAL, "local", name)
 
 
+def is_clairvoyant(name: str) -> bool:
+    """A clairvoyant policy reads ``Request.output_len`` as the true output length, which
+    only the simulator knows (an engine has ``max_tokens`` there): a reference for how far
+    from the limit a real policy is, never one to serve with."""
+    return bool(getattr(_LOCAL.get(name), "clairvoyant", False))
+
+
 def global_policy(name: str) -> type:
     return _lookup(_GLOBAL, "global", name)
 
 
-def local_names() -> list[str]:
-    return sorted(_LOCAL)
+def local_names(clairvoyant: bool = False) -> list[str]:
+    """The local policies an engine may run; ``clairvoyant=True`` adds the simulator-only
+    references (:func:`is_clairvoyant`)."""
+    return sorted(n for n in _LOCAL if clairvoyant or not is_clairvoyant(n))
 
 
 def global_names() -> list[str]:

@@ -444,7 +444,7 @@ def cmd_plan(args) -> int:
 
 def cmd_policies(args) -> int:
     print("local policies (--local):")
-    for n in registry.local_names():
+    for n in registry.local_names(clairvoyant=True):
         print(f"  {n:18s} {registry.local_policy(n).summary}")
     print("global policies (--global):")
     for n in registry.global_names():

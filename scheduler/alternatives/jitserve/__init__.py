@@ -3,4 +3,4 @@ GMAX locally (:mod:`.gmax`), power-of-K across replicas (:mod:`.power_of_k`),
 the online output-length bound both use (:mod:`.length_bound`) and the paper's
 token goodput (:mod:`.metrics`)."""
 
-from . import gmax, power_of_k  # noqa: F401  (registers the policies)
+from . import gmax, gmax_oracle, power_of_k  # noqa: F401  (registers the policies)

@@ -280,11 +280,15 @@ class GMAX(LocalPolicy):
         mean_q = sum(r.remaining_prefill for r in Q) / len(Q)
         return max(1, math.ceil(tb / max(mean_q, 1.0)))
 
+    def _len_rem(self, r: Request, n: int) -> float:
+        """len_rem(r): the online bound on the tokens still to come after ``n``."""
+        return self.bound.remaining(n)
+
     def _analyze(self, Q: list[Request], now: float, colocated: bool, v_step: float,
                  tb: int) -> tuple[list[float], list[float], list[float]]:
         """Alg. 1 lines 2-6 for every request: t_gen(r), the time to its next token's
         deadline, and Priority(r) (three lists over ``Q``)."""
-        gain, bound = self.gain, self.bound
+        gain = self.gain
         cost = self.est.costs()
         t_c = cost.t_c
         tdg = self.goodput == "tdg"
@@ -294,7 +298,7 @@ class GMAX(LocalPolicy):
         execs, remains, prios = [], [], []
         for r in Q:
             n = len(r.token_times)
-            L = bound.remaining(n)                                    # len_rem(r), §4.1
+            L = self._len_rem(r, n)                                   # len_rem(r), §4.1
             q = r.prefill_len - r.prefilled
             if q > 0:
                 # prefill: T~_p (Eq. 5) plus one step per token-budget chunk
