@@ -16,8 +16,31 @@ increasing order, with a drain wait between them):
                       (the other two configurations send no ``priority``;
                       vLLM 0.32 accepts and ignores it under FCFS)
 
-and at every rate it replays the same workload (same seed → the same
-requests, prompts and classes for every policy), then prints ONE table —
+Each ``--policies`` entry is ``BASE[@BUDGET][:KEY=VALUE]...`` (:func:`parse_policy`):
+
+* ``stock_fcfs@256``: the engine runs with vLLM's ``--max-num-batched-tokens 256``
+  (and ``--enable-chunked-prefill``, vLLM's default on CPU anyway and required below
+  max_model_len); without ``@`` stock vLLM keeps its own default, 2,048 tokens per
+  step on CPU's API server. ``--max-num-seqs`` is left to vLLM, which lowers its CPU
+  default of 128 to the budget when the budget is smaller;
+* ``slide_batching:headroom=0.3:age_limit=null``: ``--policy-param KEY=VALUE`` for
+  the plugin (SlideBatching's ``headroom``, ``age_limit``, ``age_share``, ``gamma``,
+  ...), checked against the policy before any engine starts.
+
+**The best-tuned stock baseline.** A user who cares about latency tunes stock vLLM's
+token budget down (Sarathi-Serve's point; vLLM's own tuning advice), so the
+baseline to beat is the best budget, not the default. ``--stock-budgets
+64,128,256,512,1024,2048`` turns every stock entry without its own ``@`` into one
+run per budget; after the sweep a second table (:func:`best_of`,
+:func:`format_best`) shows, per rate, every non-stock configuration next to each
+stock policy's budget best by TDG_Ratio and best by SLO attainment at that rate,
+and the single budget best on average over the rates (the one a user would
+deploy), with each non-stock row's difference to the best any stock configuration
+reached at that rate (overall and high class). ``--report results.json`` prints
+both tables again from a recorded run.
+
+At every rate it replays the same workload (same seed → the same
+requests, prompts and classes for every policy), then prints a table —
 policy × rate × class: TDG_Ratio, SLO attainment, TTFT/TPOT percentiles,
 errors — with the per-step scheduling overhead of each run (mean ms inside
 ``schedule()`` per step, mean step ms, and their ratio) from the plugin's
@@ -70,14 +93,25 @@ was measured with):
 * **Latency model**: the plugin's default (profiler/models/tiny-llama-cpu.json)
   or ``--latency-model``; stock engines load it too but only for β
   bookkeeping. Its coefficients at the start of the run go into results.json.
+* **Step records** (``--record-steps``, the default; ``--no-record-steps`` turns
+  them off): each engine writes one JSON line per step, from which the table's
+  P99 step time and β range come. The plugin writes it in the scheduler process
+  between two steps, and a SlideBatching line carries the view and terms of
+  every queued request: on a host where the tiny model's steps take ~5 ms
+  (Xeon with AMX, ~117 req/s capacity) that was ~24 KB a step and cost
+  SlideBatching enough engine time to queue (TDG_Ratio 0.85 with records, 1.00
+  without, same command otherwise; docs/results.md §4.1), while stock vLLM,
+  with no plan to record, writes ~2 KB. Compare policies there without them.
 * **Client health**: the engine stays in this process's session (see
   :class:`Engine`); every run reports the load generator's send lag and
   event-loop stalls, which should be ~0.
 
-Outputs (``--out``, default out/engine_policies): ``<policy>/rate<r>/``
+Outputs (``--out``, default out/engine_policies; ``<policy>`` is the entry with ``:``
+as ``_``): ``<policy>/rate<r>/``
 requests.jsonl + summary.json (bench.loadgen), ``<policy>/steps.jsonl``
-(``--record-steps``), ``<policy>/worker.log``, ``results.json`` and the
-table (also written to ``--table``).
+(``--record-steps``), ``<policy>/worker.log``, ``results.json`` (rows, the
+engine arguments of every configuration and the best-of selection) and the
+tables (also written to ``--table``).
 """
 
 from __future__ import annotations
@@ -105,18 +139,167 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class PolicySpec:
+    """One engine configuration of the benchmark.
+
+    ``name`` is what the tables show and what ``--policies`` takes (see
+    :func:`parse_policy`): ``BASE[@BUDGET][:KEY=VALUE]...``, e.g. ``stock_fcfs@256``
+    or ``slide_batching:headroom=0.3``."""
+
     name: str
     local_policy: str
     vllm_args: tuple = ()
     class_body: dict | None = None     # per-class extra body fields
+    base: str = ""                     # the POLICIES entry it derives from (default: name)
+    budget: int | None = None          # vLLM --max-num-batched-tokens (None: vLLM's default)
+    params: tuple = ()                 # ((key, VALUE text), ...): --policy-param KEY=VALUE
 
+    @property
+    def stock(self) -> bool:
+        return self.local_policy == STOCK
+
+    @property
+    def family(self) -> str:
+        return self.base or self.name
+
+    @property
+    def slug(self) -> str:
+        """The run's folder under --out (the name with ':' and other odd characters as '_')."""
+        return re.sub(r"[^A-Za-z0-9_.@=+-]", "_", self.name)
+
+    def engine_vllm_args(self) -> list[str]:
+        """What goes to vLLM after ``--`` for this configuration (besides the fixed engine flags).
+
+        A token budget is vLLM's ``--max-num-batched-tokens``, with chunked prefill on:
+        vLLM 0.32 refuses a budget below max_model_len without it
+        (``SchedulerConfig.verify_max_model_len``), and it is already vLLM's default on
+        CPU, so the default-budget run chunks the same way. ``--max-num-seqs`` is left to
+        vLLM, which lowers its CPU default (128) to the budget when the budget is smaller,
+        so its other constraint (max_num_batched_tokens >= max_num_seqs) always holds:
+        exactly what a user who tunes only this flag gets."""
+        out = list(self.vllm_args)
+        if self.budget is not None:
+            out += ["--max-num-batched-tokens", str(self.budget), "--enable-chunked-prefill"]
+        return out
+
+    def worker_args(self) -> list[str]:
+        """``python -m proserve.prefill`` flags of the policy itself (before ``--``)."""
+        out = ["--local-policy", self.local_policy]
+        for k, v in self.params:
+            out += ["--policy-param", f"{k}={v}"]
+        return out
+
+
+STOCK = "stock"
 
 POLICIES = {
     "slide_batching": PolicySpec("slide_batching", "slide_batching"),
-    "stock_fcfs": PolicySpec("stock_fcfs", "stock", ("--scheduling-policy", "fcfs")),
-    "stock_priority": PolicySpec("stock_priority", "stock", ("--scheduling-policy", "priority"),
+    "stock_fcfs": PolicySpec("stock_fcfs", STOCK, ("--scheduling-policy", "fcfs")),
+    "stock_priority": PolicySpec("stock_priority", STOCK, ("--scheduling-policy", "priority"),
                                  {"high": {"priority": 0}, "low": {"priority": 1}}),
 }
+
+
+def split_name(text: str) -> tuple[str, int | None, list[tuple[str, str]]]:
+    """``BASE[@BUDGET][:KEY=VALUE]...`` → (base, budget, [(key, VALUE text), ...]); syntax only."""
+    head, *items = text.strip().split(":")
+    base, at, budget_text = head.partition("@")
+    base = base.strip()
+    if base not in POLICIES:
+        raise ConfigError(f"--policies: unknown {base or '(empty)'} (in {text.strip()!r}); "
+                          f"choose from {', '.join(POLICIES)}")
+    budget = None
+    if at:
+        try:
+            budget = int(budget_text)
+        except ValueError:
+            raise ConfigError(f"--policies {text!r}: the token budget after '@' must be an integer, "
+                              f"got {budget_text!r}") from None
+        if budget < 1:
+            raise ConfigError(f"--policies {text!r}: the token budget (--max-num-batched-tokens) must be "
+                              f">= 1, got {budget}")
+    params = []
+    for it in items:
+        k, eq, v = it.partition("=")
+        if not eq or not k.strip():
+            raise ConfigError(f"--policies {text!r}: a policy parameter must be KEY=VALUE, got {it!r}")
+        params.append((k.strip(), v.strip()))
+    return base, budget, params
+
+
+def parse_policy(text: str, classes: dict | None = None) -> PolicySpec:
+    """One ``--policies`` entry as a :class:`PolicySpec`, checked before any engine starts.
+
+    * ``@BUDGET``: vLLM's ``--max-num-batched-tokens`` for this run (any policy; the
+      tuning knob of stock vLLM, see :meth:`PolicySpec.engine_vllm_args`);
+    * ``:KEY=VALUE`` (repeatable): a keyword argument of the ProServe policy, passed as
+      ``--policy-param KEY=VALUE`` (VALUE read as JSON when it parses, as the worker
+      does), e.g. ``slide_batching:headroom=0.3:age_limit=null``. The policy is built
+      here with a stand-in latency model, so an unknown key or a bad value fails now.
+      Stock vLLM takes none.
+    """
+    from proserve.scheduler import registry
+    from proserve.scheduler.config import default_classes, parse_key_values
+    from proserve.scheduler.estimator import Estimator, LatencyModel
+
+    base, budget, params = split_name(text)
+    spec = POLICIES[base]
+    if params:
+        if spec.local_policy == STOCK:
+            raise ConfigError(f"--policies {text!r}: stock vLLM takes no policy parameters (tune it with "
+                              f"@BUDGET, e.g. {base}@256)")
+        values = parse_key_values([f"{k}={v}" for k, v in params], f"--policies {text!r}")
+        if len(values) < len(params):
+            raise ConfigError(f"--policies {text!r}: a parameter is given twice")
+        stand_in = Estimator(LatencyModel(1e-9, 1e-9, 1e-6, 1e-7, 1e-4, 1e-3))
+        try:
+            registry.make_local(spec.local_policy, stand_in, None, classes or default_classes(), **values)
+        except ConfigError as e:
+            raise ConfigError(f"--policies {text!r}: {e}") from None
+    name = base + (f"@{budget}" if budget is not None else "") + "".join(f":{k}={v}" for k, v in params)
+    return PolicySpec(name, spec.local_policy, spec.vllm_args, spec.class_body, base=base, budget=budget,
+                      params=tuple(params))
+
+
+def parse_budgets(text: str | None) -> list[int]:
+    """``--stock-budgets 64,128,256`` → [64, 128, 256] (each >= 1, no repeats)."""
+    if not text:
+        return []
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        try:
+            b = int(x)
+        except ValueError:
+            raise ConfigError(f"--stock-budgets: {x!r} is not an integer") from None
+        if b < 1:
+            raise ConfigError(f"--stock-budgets: a token budget must be >= 1, got {b}")
+        if b in out:
+            raise ConfigError(f"--stock-budgets: {b} is given twice")
+        out.append(b)
+    return out
+
+
+def expand_policies(text: str, stock_budgets: list[int] | None = None, classes: dict | None = None) -> list[PolicySpec]:
+    """``--policies`` (comma-separated entries) with ``--stock-budgets`` applied: each stock
+    entry without its own ``@BUDGET`` becomes one run per budget, in the order given.
+    (An entry that names a budget, and every non-stock entry, is run as written.)"""
+    specs = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        spec = parse_policy(entry, classes)
+        if spec.stock and spec.budget is None and stock_budgets:
+            specs += [parse_policy(f"{entry}@{b}", classes) for b in stock_budgets]
+        else:
+            specs.append(spec)
+    if not specs:
+        raise ConfigError("--policies: no policy given")
+    seen: dict[str, str] = {}
+    for s in specs:
+        if s.slug in seen:
+            raise ConfigError(f"--policies: {s.name!r} is run twice (as {seen[s.slug]!r})")
+        seen[s.slug] = s.name
+    return specs
 
 
 # --- /metrics --------------------------------------------------------------------------
@@ -160,6 +343,18 @@ def overhead(before: dict, after: dict) -> dict:
 
 # --- the engine ------------------------------------------------------------------------
 
+def engine_command(spec: PolicySpec, port: int, args, classes_file: Path, w_p: float, steps_path: Path) -> list[str]:
+    """The worker command line of one configuration (see the module docstring for each choice)."""
+    cmd = [sys.executable, "-m", "proserve.prefill", "--colocated", "--port", str(port), "--block-size", "32",
+           "--max-model-len", str(args.max_model_len), "--cpu-bind", args.engine_cpu,
+           *spec.worker_args(), "--classes", str(classes_file), "--w-p", repr(w_p)]
+    if getattr(args, "record_steps", True):
+        cmd += ["--record-steps", str(steps_path)]
+    if args.latency_model:
+        cmd += ["--latency-model", args.latency_model]
+    return cmd + ["--", "--no-enable-prefix-caching", *spec.engine_vllm_args()]
+
+
 class Engine:
     """One ``python -m proserve.prefill --colocated`` worker for one policy."""
 
@@ -169,14 +364,7 @@ class Engine:
         self.steps_path = out / "steps.jsonl"
         if self.steps_path.exists():
             self.steps_path.unlink()
-        cmd = [sys.executable, "-m", "proserve.prefill", "--colocated", "--port", str(port), "--block-size", "32",
-               "--max-model-len", str(args.max_model_len), "--cpu-bind", args.engine_cpu,
-               "--local-policy", spec.local_policy, "--classes", str(classes_file), "--w-p", repr(w_p),
-               "--record-steps", str(self.steps_path)]
-        if args.latency_model:
-            cmd += ["--latency-model", args.latency_model]
-        cmd += ["--", "--no-enable-prefix-caching", *spec.vllm_args]
-        self.cmd = cmd
+        self.cmd = cmd = engine_command(spec, port, args, classes_file, w_p, self.steps_path)
         self.log_path = out / "worker.log"
         self._log = open(self.log_path, "w")
         # its own process group (so stop() reaches every engine process) but this session:
@@ -324,7 +512,7 @@ def probe_capacity(args, classes, classes_file: Path, w_p: float, port: int) -> 
 
 
 def run_policy(spec: PolicySpec, rates: list[float], args, classes, classes_file: Path, gain, port: int) -> list:
-    out = Path(args.out) / spec.name
+    out = Path(args.out) / spec.slug
     t_start = time.monotonic()
     eng = Engine(spec, port, out, args, classes_file, gain.w_p)
     rows = []
@@ -347,7 +535,8 @@ def run_policy(spec: PolicySpec, rates: list[float], args, classes, classes_file
             summary = lg.summarize_run(reqs, run.results, gain, run.stalls)
             lg.write_outputs(out / f"rate{rate:g}", reqs, run, gain, summary,
                              {"policy": spec.name, "rate": rate, "engine_cmd": eng.cmd})
-            row = {"policy": spec.name, "rate": rate, "requests": len(reqs), "wall_s": time.monotonic() - t0,
+            row = {"policy": spec.name, "base": spec.family, "budget": spec.budget,
+                   "params": dict(spec.params), "rate": rate, "requests": len(reqs), "wall_s": time.monotonic() - t0,
                    "drain_s": drained, "metrics": summary["metrics"], "errors": summary["errors"],
                    "send_lag_s": summary["send_lag_s"], "malformed_chunks": summary["malformed_chunks"],
                    "client_stalls": summary["client_stalls"],
@@ -405,6 +594,134 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
 
 
+# --- the best-tuned stock baseline ------------------------------------------------------------
+
+BEST_BY = ("tdg_ratio", "slo_attainment")
+
+
+def _metric(row: dict, key: str, cls: str = "all") -> float:
+    """A row's overall (or per-class) metric; a missing or NaN value ranks last."""
+    v = (row.get("metrics", {}).get(cls) or {}).get(key)
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else -math.inf
+
+
+def _is_stock(row: dict) -> bool:
+    return POLICIES[split_name(row["policy"])[0]].local_policy == STOCK
+
+
+def best_of(rows: list[dict]) -> dict:
+    """For each stock policy (``stock_fcfs``, ``stock_priority``) swept over token budgets,
+    the configuration a user would pick, from the recorded rows (``results.json`` rows):
+
+    * ``per_rate``: at each rate, the budget best by overall TDG_Ratio and the one best
+      by overall SLO attainment (an oracle that retunes per load level);
+    * ``deployed``: the single budget best on average over the rates (mean of the
+      metric over every rate that family was run at; a budget missing a rate is not a
+      candidate), the one a user would deploy.
+
+    Ties go to the configuration run first. A run without a budget (vLLM's default) is a
+    candidate like the others, labelled ``budget: None``.
+    """
+    families: dict[str, list[dict]] = {}
+    for row in rows:
+        if _is_stock(row):
+            families.setdefault(split_name(row["policy"])[0], []).append(row)
+    out = {}
+    for fam, frows in families.items():
+        rates = sorted({r["rate"] for r in frows})
+        configs: dict[str, dict[float, dict]] = {}
+        for r in frows:
+            configs.setdefault(r["policy"], {})[r["rate"]] = r
+
+        def pick(cands, score):
+            best, best_s = None, -math.inf
+            for name in cands:
+                sc = score(name)
+                if best is None or sc > best_s:
+                    best, best_s = name, sc
+            return best, best_s
+
+        per_rate = []
+        for rate in rates:
+            here = [n for n in configs if rate in configs[n]]
+            entry = {"rate": rate}
+            for key in BEST_BY:
+                name, val = pick(here, lambda n: _metric(configs[n][rate], key))
+                entry[key] = {"policy": name, "budget": split_name(name)[1], "value": val}
+            per_rate.append(entry)
+        complete = [n for n in configs if all(rate in configs[n] for rate in rates)]
+        deployed = {}
+        for key in BEST_BY:
+            name, val = pick(complete, lambda n: sum(_metric(configs[n][r], key) for r in rates) / len(rates))
+            if name is not None:
+                deployed[key] = {"policy": name, "budget": split_name(name)[1], "mean": val}
+        out[fam] = {"configs": list(configs), "rates": rates, "per_rate": per_rate, "deployed": deployed}
+    return out
+
+
+_REASON = {("per_rate", "tdg_ratio"): "best TDG here", ("per_rate", "slo_attainment"): "best SLO here",
+           ("deployed", "tdg_ratio"): "best mean TDG", ("deployed", "slo_attainment"): "best mean SLO"}
+
+
+def format_best(rows: list[dict], best: dict | None = None) -> str:
+    """SlideBatching (every non-stock configuration) next to the best-tuned stock ones, per rate.
+
+    For each stock family the rows picked by :func:`best_of` (per rate and deployed,
+    by TDG and by SLO attainment; one row per configuration, with every reason it was
+    picked). ``dTDG``/``dSLO`` (and ``_hi``, the high class): a non-stock row minus the
+    best value ANY stock configuration reached at that rate on that metric (each
+    metric's own best, so it is held against the strictest per-rate oracle)."""
+    best = best_of(rows) if best is None else best
+    by_key = {(r["policy"], r["rate"]): r for r in rows}
+    rates = sorted({r["rate"] for r in rows})
+    head = ["rate", "configuration", "chosen as", "TDG", "TDG_hi", "TDG_lo", "SLO", "SLO_hi", "SLO_lo",
+            "TTFT_p99", "TPOT_p50", "err", "dTDG", "dTDG_hi", "dSLO", "dSLO_hi"]
+    body = []
+    for rate in rates:
+        stock_here = [r for r in rows if r["rate"] == rate and _is_stock(r)]
+        top = {(k, c): max((_metric(r, k, c) for r in stock_here), default=-math.inf)
+               for k in BEST_BY for c in ("all", "high")}
+        picked: dict[str, list[str]] = {}
+        for fam, b in best.items():
+            for e in b["per_rate"]:
+                if e["rate"] == rate:
+                    for k in BEST_BY:
+                        picked.setdefault(e[k]["policy"], []).append(_REASON["per_rate", k])
+            for k, d in b["deployed"].items():
+                if (d["policy"], rate) in by_key:
+                    picked.setdefault(d["policy"], []).append(_REASON["deployed", k])
+        lines = [(r, "") for r in rows if r["rate"] == rate and not _is_stock(r)]
+        lines += [(by_key[n, rate], ", ".join(why)) for n, why in picked.items()]
+        for r, why in lines:
+            m = r["metrics"]
+            g = lambda c, k: (m.get(c) or {}).get(k)
+            line = [f"{rate:g}", r["policy"], why or "-",
+                    _f(g("all", "tdg_ratio"), "{:.3f}"), _f(g("high", "tdg_ratio"), "{:.3f}"),
+                    _f(g("low", "tdg_ratio"), "{:.3f}"), _f(g("all", "slo_attainment"), "{:.3f}"),
+                    _f(g("high", "slo_attainment"), "{:.3f}"), _f(g("low", "slo_attainment"), "{:.3f}"),
+                    _f(g("all", "ttft_p99"), "{:.3f}"), _f(g("all", "tpot_p50"), "{:.4f}"),
+                    _f(g("all", "errors"), "{}")]
+            if why:                       # a stock row: it is the reference
+                line += [""] * 4
+            elif not stock_here:
+                line += ["-"] * 4
+            else:
+                line += [_f(_metric(r, k, c) - top[k, c], "{:+.3f}")
+                         for k, c in (("tdg_ratio", "all"), ("tdg_ratio", "high"),
+                                      ("slo_attainment", "all"), ("slo_attainment", "high"))]
+            body.append(line)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    deployed = "; ".join(f"{fam}: by TDG {b['deployed']['tdg_ratio']['policy']} (mean {b['deployed']['tdg_ratio']['mean']:.3f}), "
+                         f"by SLO {b['deployed']['slo_attainment']['policy']} (mean {b['deployed']['slo_attainment']['mean']:.3f})"
+                         for fam, b in best.items() if b["deployed"])
+    note = (f"# best-tuned stock (of {', '.join(n for b in best.values() for n in b['configs'])}); deployed = "
+            f"the one budget best on average over the rates: {deployed or '-'}\n"
+            "# dTDG/dSLO(_hi): this row minus the best any stock configuration reached at this rate "
+            "(overall / high class)\n")
+    return note + "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+
+
 # --- command line -----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,7 +733,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "docstring for every choice.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--policies", default="slide_batching,stock_fcfs,stock_priority",
-                    help=f"comma-separated, from {', '.join(POLICIES)}")
+                    help=f"comma-separated configurations, each BASE[@BUDGET][:KEY=VALUE]... with BASE from "
+                         f"{', '.join(POLICIES)}; @BUDGET runs the engine with vLLM's --max-num-batched-tokens "
+                         f"BUDGET (chunked prefill on), :KEY=VALUE passes --policy-param KEY=VALUE to a ProServe "
+                         f"policy, e.g. stock_fcfs@256,slide_batching:headroom=0,slide_batching:headroom=0.3")
+    ap.add_argument("--stock-budgets", default=None, metavar="B1,B2,...",
+                    help="tune stock vLLM: every stock entry of --policies without its own @BUDGET becomes one "
+                         "run per budget (e.g. 64,128,256,512,1024,2048; 2048 is vLLM's default on CPU), and "
+                         "the report adds the best-tuned stock configurations next to SlideBatching")
+    ap.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                    help="start no engine: print the tables (and the best-tuned stock comparison) of a "
+                         "recorded results.json, e.g. to combine with --out of an earlier run")
     ap.add_argument("--capacity", type=float, default=10.85,
                     help="saturation throughput of stock FCFS on this workload, req/s (measured with --probe)")
     ap.add_argument("--levels", default="0.35,0.7,1.1", help="rates as fractions of --capacity")
@@ -439,6 +766,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="core(s) of this client, the API server and vLLM's engine-core process ('' = no pinning)")
     ap.add_argument("--port", type=int, default=None, help="engine port (default: a free one in 20000-32000)")
     ap.add_argument("--timeout", type=float, default=180.0, help="per-request timeout, s")
+    ap.add_argument("--record-steps", action=argparse.BooleanOptionalAction, default=True,
+                    help="have each engine write one JSON line per step (P99 step, β range, prefill tokens per "
+                         "step in the table). The plugin writes it in the scheduler process between steps, and "
+                         "a SlideBatching line holds the view and terms of every queued request (~24 KB at 80 "
+                         "req/s on a fast host, 100 MB per 20 s run): where steps take a few ms that costs "
+                         "SlideBatching engine time that stock vLLM (no plan to record) does not pay")
     ap.add_argument("--out", default="out/engine_policies")
     ap.add_argument("--table", default=None, help="also write the table here (e.g. docs/results/engine_policies.txt)")
     return ap
@@ -458,14 +791,27 @@ def _free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
+def report(path: str) -> int:
+    """Print the tables of a recorded results.json (no engine)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        rows = doc["rows"]
+        best = best_of(rows)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ConfigError) as e:
+        print(f"error: --report {path}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(f"# {path}: python -m proserve.bench.engine_policies {' '.join(doc.get('argv') or [])}")
+    print(format_table(rows) + ("\n\n" + format_best(rows, best) if best else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        return report(args.report)
     try:
-        names = [p.strip() for p in args.policies.split(",") if p.strip()]
-        bad = [p for p in names if p not in POLICIES]
-        if bad or not names:
-            raise ConfigError(f"--policies: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
         classes = lg.load_classes(None, args.ttft_slo, args.tpot_slo)
+        specs = expand_policies(args.policies, parse_budgets(args.stock_budgets), classes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -501,25 +847,43 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     # one GainConfig for every run: the weights of the largest workload (§5.1 w_p/w_d)
     gain = lg.workload_gain(workload(args, max(rates), classes))
-    rows = []
-    for name in names:
-        rows += run_policy(POLICIES[name], rates, args, classes, classes_file, gain, port)
+    print(f"{len(specs)} engine configurations x {len(rates)} rates: {', '.join(s.name for s in specs)}",
+          file=sys.stderr, flush=True)
+    argv_rec = sys.argv[1:] if argv is None else argv
+    doc = {"argv": argv_rec, "rates": rates, "probe": probe,
+           "latency_model": {"path": str(model_path), **latency_model},
+           "gain": {"w_p": gain.w_p, "w_d": gain.w_d},
+           "policies": [{"name": sp.name, "base": sp.family, "budget": sp.budget, "params": dict(sp.params),
+                         "engine_vllm_args": sp.engine_vllm_args()} for sp in specs],
+           "failed": [], "rows": []}
+    rows = doc["rows"]
+    for spec in specs:
+        # a sweep starts many engines: one that fails (start-up, a crash, a drain time-out) is
+        # reported and the others still run; results.json is rewritten after each, so an
+        # interrupted sweep can still be read with --report
+        try:
+            rows += run_policy(spec, rates, args, classes, classes_file, gain, port)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            print(f"[{spec.name}] FAILED: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr, flush=True)
+            doc["failed"].append({"policy": spec.name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+        (out / "results.json").write_text(json.dumps(lg.clean_json(doc | {"partial": True}), indent=1) + "\n")
     wall = time.monotonic() - t_all
-    table = format_table(rows)
-    header = (f"# python -m proserve.bench.engine_policies {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+    best = best_of(rows)
+    table = format_table(rows) + ("\n\n" + format_best(rows, best) if best else "")
+    failed = "".join(f"# FAILED {f['policy']}: {f['error'].splitlines()[0]}\n" for f in doc["failed"])
+    header = (f"# python -m proserve.bench.engine_policies {' '.join(argv_rec)}\n"
               f"# rates {', '.join(f'{r:g}' for r in rates)} req/s; {args.duration:g} s of the Azure conv trace "
               f"per rate, prompt/{args.prompt_div:g}, output/{args.output_div:g}; SLO TTFT {args.ttft_slo:g} s, "
-              f"TPOT {args.tpot_slo:g} s; w_p {gain.w_p:.3f}, w_d {gain.w_d:g}; wall {wall / 60:.1f} min\n")
+              f"TPOT {args.tpot_slo:g} s; w_p {gain.w_p:.3f}, w_d {gain.w_d:g}; wall {wall / 60:.1f} min\n"
+              + failed)
     print(header + table)
-    doc = {"argv": sys.argv[1:] if argv is None else argv, "rates": rates, "probe": probe, "wall_s": wall,
-           "latency_model": {"path": str(model_path), **latency_model},
-           "gain": {"w_p": gain.w_p, "w_d": gain.w_d}, "rows": rows}
+    doc.update(wall_s=wall, best_of=best)
     (out / "results.json").write_text(json.dumps(lg.clean_json(doc), indent=1) + "\n")
     (out / "table.txt").write_text(header + table + "\n")
     if args.table:
         Path(args.table).parent.mkdir(parents=True, exist_ok=True)
         Path(args.table).write_text(header + table + "\n")
-    return 0
+    return 1 if doc["failed"] else 0
 
 
 if __name__ == "__main__":
