@@ -135,9 +135,13 @@ def resolve_eta(eta: float | None, classes: Mapping[str, PriorityClass], where: 
     """Floor of the co-located t_budget estimate.
 
     Default: the tightest TPOT SLO of the configured classes, the same default
-    as SlideBatching's η, so the global estimate floors the budget where the
-    local scheduler does (§4.2: t_budget ∈ [η, max TPOT_SLO]). ``None`` when no
+    as SlideBatching's η (§4.2: t_budget ∈ [η, max TPOT_SLO]). ``None`` when no
     classes are configured: the routed request's TPOT SLO is used then.
+    SlideBatching's TPOT headroom h lowers its own floor to (1 − h)·η, which this
+    estimate does not know (it sees no local policy's parameters): with the
+    default h = 0.3 the global estimate's budget floor is η, the local one 0.7·η.
+    Pass ``eta`` to GoRouting to match a headroom; the local policy providing the
+    router's estimate itself is issue 14's.
     """
     if eta is None:
         return min((c.tpot_slo for c in classes.values()), default=None)
