@@ -98,9 +98,9 @@ was measured with):
   P99 step time and β range come. The plugin writes it in the scheduler process
   between two steps, and a SlideBatching line carries the view and terms of
   every queued request: on a host where the tiny model's steps take ~5 ms
-  (Xeon with AMX, ~117 req/s capacity) that was ~24 KB a step and cost
-  SlideBatching enough engine time to queue (TDG_Ratio 0.85 with records, 1.00
-  without, same command otherwise; docs/results.md §4.1), while stock vLLM,
+  (Xeon with AMX) that was ~24 KB a step (up to 150 KB) and cost SlideBatching
+  enough engine time to queue (at 81.7 req/s TDG_Ratio 0.74-0.85 with records,
+  0.96-1.00 in three runs without; docs/results.md §4.1), while stock vLLM,
   with no plan to record, writes ~2 KB. Compare policies there without them.
 * **Client health**: the engine stays in this process's session (see
   :class:`Engine`); every run reports the load generator's send lag and
