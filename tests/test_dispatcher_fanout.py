@@ -260,6 +260,17 @@ def test_every_sub_request_takes_a_slot_429_when_they_are_not_all_free():
     run(go())
 
 
+async def _one_failed_two_cancelled(h, workers) -> None:
+    """One sub-request of three failed, the two others were cancelled upstream, and
+    nothing is left held: the metrics say so and every instance's queue is empty."""
+    await until(lambda: sum(w.cancelled for w in workers) == 2, what="the two others to be cancelled")
+    await settled(h)
+    m = await h.metrics()
+    assert metric(m, "proserve:dispatcher_requests_total", outcome="upstream_error") == 1
+    assert metric(m, "proserve:dispatcher_requests_total", outcome="cancelled") == 2
+    assert all(w.state.queue == [] and w.state.n_decode == 0 for w in h.d.registry.prefill)
+
+
 def test_a_failing_sub_request_fails_the_request_and_cancels_the_others():
     """Unstreamed: the sub-request with seed 1 fails on both decode workers (a 500, retried
     once); the two others would take ~20 s and are cancelled upstream at once."""
@@ -270,12 +281,7 @@ def test_a_failing_sub_request_fails_the_request_and_cancels_the_others():
             r = await h.post("/v1/completions", body(n=3, seed=0, max_tokens=100))
             assert r.status_code == 502, r.text
             assert "failed on two instances" in r.json()["error"]["message"]
-            await until(lambda: sum(w.cancelled for w in h.decodes) == 2, what="the two others to be cancelled")
-            await settled(h)
-            m = await h.metrics()
-            assert metric(m, "proserve:dispatcher_requests_total", outcome="upstream_error") == 1
-            assert metric(m, "proserve:dispatcher_requests_total", outcome="cancelled") == 2
-            assert all(w.state.queue == [] and w.state.n_decode == 0 for w in h.d.registry.prefill)
+            await _one_failed_two_cancelled(h, h.decodes)
     run(go())
 
 
@@ -290,12 +296,7 @@ def test_a_sub_stream_that_breaks_ends_the_stream_with_one_error_and_cancels_the
             assert len(errors) == 1 and errors[0]["error"]["code"] == 502
             assert ev[-2] is errors[0]                          # nothing after the error
             assert {e["choices"][0]["index"] for e in ev[:-2]} <= {0, 1, 2}
-            await until(lambda: sum(w.cancelled for w in h.prefills) == 2, what="the two others to be cancelled")
-            await settled(h)
-            m = await h.metrics()
-            assert metric(m, "proserve:dispatcher_requests_total", outcome="upstream_error") == 1
-            assert metric(m, "proserve:dispatcher_requests_total", outcome="cancelled") == 2
-            assert all(w.state.queue == [] and w.state.n_decode == 0 for w in h.d.registry.prefill)
+            await _one_failed_two_cancelled(h, h.prefills)
     run(go())
 
 
