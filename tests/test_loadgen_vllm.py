@@ -50,10 +50,9 @@ def test_loadgen_streams_every_token_of_both_classes(worker):
     steps0 = steps_total(worker)
     run = asyncio.run(lg.replay(reqs, lg.ClientConfig(worker.url, request_timeout=90)))
     assert [r.id for r in run.results] == [q.id for q in reqs]
-    # tokens are stamped as they stream, not at the end: on a loaded 2-core machine a
-    # fast engine's output may reach the client in bursts, so ask it of most requests, not all
-    multi = [r for q, r in zip(reqs, run.results) if q.output_len > 2]
-    assert sum(1 for r in multi if r.token_times[-1] > r.token_times[0]) >= len(multi) / 2
+    # that tokens are stamped as they stream (not at the end) is checked where the timing is
+    # controlled, tests/test_loadgen.py::test_replay_streams_tokens_at_scheduled_times: here a
+    # fast engine's output reaches a client starved of CPU in bursts, with equal stamps
     for q, r in zip(reqs, run.results):
         assert r.ok, (q.id, r.error)
         assert r.status == 200 and r.done and r.malformed == 0
