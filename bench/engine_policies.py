@@ -123,6 +123,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -133,6 +134,7 @@ from pathlib import Path
 from proserve.scheduler.request import ConfigError
 
 from . import loadgen as lg
+from .scaled_model import has_weights, make_scaled_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -352,6 +354,10 @@ def engine_command(spec: PolicySpec, port: int, args, classes_file: Path, w_p: f
         cmd += ["--record-steps", str(steps_path)]
     if args.latency_model:
         cmd += ["--latency-model", args.latency_model]
+    if getattr(args, "model", None):
+        # a directory without weight files (the scaled model) is served with random weights
+        dummy = Path(args.model).is_dir() and not has_weights(Path(args.model))
+        cmd += ["--model", str(args.model)] + (["--load-format", "dummy"] if dummy else [])
     return cmd + ["--", "--no-enable-prefix-caching", *spec.engine_vllm_args()]
 
 
@@ -511,8 +517,11 @@ def probe_capacity(args, classes, classes_file: Path, w_p: float, port: int) -> 
         eng.stop()
 
 
-def run_policy(spec: PolicySpec, rates: list[float], args, classes, classes_file: Path, gain, port: int) -> list:
-    out = Path(args.out) / spec.slug
+def run_policy(spec: PolicySpec, rates: list[float], args, classes, classes_file: Path, gain, port: int,
+               repeat: int | None = None) -> list:
+    """One fresh engine for ``spec``, every rate in turn; ``repeat`` (with ``--repeats`` > 1)
+    numbers the run, whose outputs go to ``<policy>/run<repeat>/``."""
+    out = Path(args.out) / spec.slug / ("" if repeat is None else f"run{repeat}")
     t_start = time.monotonic()
     eng = Engine(spec, port, out, args, classes_file, gain.w_p)
     rows = []
@@ -535,7 +544,7 @@ def run_policy(spec: PolicySpec, rates: list[float], args, classes, classes_file
             summary = lg.summarize_run(reqs, run.results, gain, run.stalls)
             lg.write_outputs(out / f"rate{rate:g}", reqs, run, gain, summary,
                              {"policy": spec.name, "rate": rate, "engine_cmd": eng.cmd})
-            row = {"policy": spec.name, "base": spec.family, "budget": spec.budget,
+            row = {"policy": spec.name, "repeat": repeat, "base": spec.family, "budget": spec.budget,
                    "params": dict(spec.params), "rate": rate, "requests": len(reqs), "wall_s": time.monotonic() - t0,
                    "drain_s": drained, "metrics": summary["metrics"], "errors": summary["errors"],
                    "send_lag_s": summary["send_lag_s"], "malformed_chunks": summary["malformed_chunks"],
@@ -546,7 +555,7 @@ def run_policy(spec: PolicySpec, rates: list[float], args, classes, classes_file
                    "step_stats": step_stats(eng.steps_path, run.t0_unix, t_to, args.tpot_slo)}
             rows.append(row)
             m = summary["metrics"]
-            print(f"[{spec.name}] rate {rate:g}: {len(reqs)} reqs in {row['wall_s']:.0f} s, "
+            print(f"[{spec.name}{'' if repeat is None else f' run {repeat}'}] rate {rate:g}: {len(reqs)} reqs in {row['wall_s']:.0f} s, "
                   f"TDG {m['all']['tdg_ratio']:.3f} (hi {m.get('high', {}).get('tdg_ratio', float('nan')):.3f} "
                   f"lo {m.get('low', {}).get('tdg_ratio', float('nan')):.3f}), SLO {m['all']['slo_attainment']:.3f}, "
                   f"errors {m['all']['errors']}, beta {row['beta'].get('last', float('nan')):.2f}, "
@@ -575,7 +584,8 @@ def format_table(rows: list[dict]) -> str:
             m = row["metrics"].get(cls)
             if m is None:
                 continue
-            line = [row["policy"], f"{row['rate']:g}", cls, str(m["requests"]), str(m["errors"]),
+            name = row["policy"] + ("" if row.get("repeat") is None else f" #{row['repeat']}")
+            line = [name, f"{row['rate']:g}", cls, str(m["requests"]), str(m["errors"]),
                     _f(m["tdg_ratio"], "{:.3f}"), _f(m["slo_attainment"], "{:.3f}"),
                     _f(m["ttft_p50"], "{:.3f}"), _f(m["ttft_p99"], "{:.3f}"),
                     _f(m["tpot_p50"], "{:.4f}"), _f(m["tpot_p99"], "{:.4f}")]
@@ -592,6 +602,88 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+
+
+# --- repeated runs: mean +- sd ------------------------------------------------------------------
+
+MEAN_KEYS = ("tdg_ratio", "slo_attainment", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def mean_rows(rows: list[dict]) -> list[dict]:
+    """The rows of repeated runs (``--repeats``) folded into one per (configuration, rate),
+    in first-seen order: each metric of :data:`MEAN_KEYS` is the mean over the runs that
+    have it, its sample standard deviation is ``<key>_sd`` (None for one run), requests
+    and errors are summed, ``runs`` counts the runs. The result has the shape of a run's
+    row, so :func:`best_of` and :func:`format_best` pick and compare on the means."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["rate"]), []).append(r)
+    out = []
+    for (policy, rate), rs in groups.items():
+        metrics = {}
+        for cls in ("all", "high", "low"):
+            vals = [r["metrics"][cls] for r in rs if r["metrics"].get(cls)]
+            if not vals:
+                continue
+            d = {"requests": sum(v["requests"] for v in vals), "errors": sum(v["errors"] for v in vals)}
+            for k in MEAN_KEYS:
+                xs = [v[k] for v in vals if _finite(v.get(k))]
+                d[k] = statistics.fmean(xs) if xs else None
+                d[k + "_sd"] = statistics.stdev(xs) if len(xs) > 1 else None
+            metrics[cls] = d
+        over = {}
+        for k in ("sched_ms_per_step", "step_ms", "sched_share"):
+            xs = [r["overhead"][k] for r in rs if _finite(r.get("overhead", {}).get(k))]
+            over[k] = statistics.fmean(xs) if xs else float("nan")
+        out.append({"policy": policy, "base": rs[0].get("base"), "budget": rs[0].get("budget"),
+                    "params": rs[0].get("params"), "rate": rate, "runs": len(rs), "metrics": metrics,
+                    "overhead": over, "step_stats": {}})
+    return out
+
+
+def format_mean_table(means: list[dict]) -> str:
+    """Per configuration, rate and class: mean +- sd over the runs (:func:`mean_rows`)."""
+    def ms(m: dict, k: str, fmt: str) -> str:
+        if m.get(k) is None:
+            return "-"
+        sd = m.get(k + "_sd")
+        return fmt.format(m[k]) + ("" if sd is None else " ± " + fmt.format(sd))
+    head = ["policy", "rate", "class", "runs", "reqs", "err", "TDG", "SLO", "TTFT_p50", "TTFT_p99",
+            "TPOT_p50", "sched_ms/step", "step_ms"]
+    body = []
+    for row in means:
+        for cls in ("all", "high", "low"):
+            m = row["metrics"].get(cls)
+            if m is None:
+                continue
+            line = [row["policy"], f"{row['rate']:g}", cls, str(row["runs"]), str(m["requests"]), str(m["errors"]),
+                    ms(m, "tdg_ratio", "{:.3f}"), ms(m, "slo_attainment", "{:.3f}"), ms(m, "ttft_p50", "{:.3f}"),
+                    ms(m, "ttft_p99", "{:.2f}"), ms(m, "tpot_p50", "{:.4f}")]
+            o = row["overhead"]
+            line += ([_f(o["sched_ms_per_step"], "{:.3f}"), _f(o["step_ms"], "{:.2f}")] if cls == "all"
+                     else ["", ""])
+            body.append(line)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+
+
+def tables(rows: list[dict]) -> tuple[str, dict]:
+    """The printed tables of a run and the best-of selection: every run's rows; with repeated
+    runs also their means +- sd, and the best-tuned stock comparison on the means."""
+    repeated = any(r.get("repeat") is not None for r in rows)
+    ranked = mean_rows(rows) if repeated else rows
+    best = best_of(ranked)
+    text = format_table(rows)
+    if repeated:
+        text += "\n\n# mean ± sd over the runs\n" + format_mean_table(ranked)
+    if best:
+        text += "\n\n" + format_best(ranked, best)
+    return text, best
 
 
 # --- the best-tuned stock baseline ------------------------------------------------------------
@@ -758,6 +850,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--ttft-slo", type=float, default=0.5)
     ap.add_argument("--tpot-slo", type=float, default=0.05)
+    ap.add_argument("--model", default=None,
+                    help="model directory the engines serve (default: the bundled tiny Llama), or 'scaled': "
+                         "the tiny Llama ~30x heavier in compute (proserve.bench.scaled_model), written to "
+                         "OUT/model, so steps take tens of ms as on an accelerator; a directory without "
+                         "weight files is served with --load-format dummy. Give it a latency model "
+                         "profiled on this host (--latency-model)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every configuration, each a fresh engine, taking turns; with more than "
+                         "one the tables add mean ± sd and the best-tuned comparison ranks the means")
     ap.add_argument("--latency-model", default=None,
                     help="latency-model JSON for the engines (default: the plugin's, "
                          "profiler/models/tiny-llama-cpu.json)")
@@ -795,13 +896,12 @@ def report(path: str) -> int:
     """Print the tables of a recorded results.json (no engine)."""
     try:
         doc = json.loads(Path(path).read_text())
-        rows = doc["rows"]
-        best = best_of(rows)
+        text, _ = tables(doc["rows"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ConfigError) as e:
         print(f"error: --report {path}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(f"# {path}: python -m proserve.bench.engine_policies {' '.join(doc.get('argv') or [])}")
-    print(format_table(rows) + ("\n\n" + format_best(rows, best) if best else ""))
+    print(text)
     return 0
 
 
@@ -815,10 +915,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print(f"error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
     if args.host_cpu:
         os.sched_setaffinity(0, {int(c) for c in args.host_cpu.split(",")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.model == "scaled":
+        args.model = str(make_scaled_model(out / "model"))
+    elif args.model and not Path(args.model).exists():
+        print(f"error: --model {args.model}: no such directory", file=sys.stderr)
+        return 2
     classes_file = out / "classes.json"
     classes_file.write_text(json.dumps([{"name": c.name, "weight": c.weight, "ttft_slo": c.ttft_slo,
                                          "tpot_slo": c.tpot_slo} for c in classes.values()]))
@@ -850,31 +958,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(specs)} engine configurations x {len(rates)} rates: {', '.join(s.name for s in specs)}",
           file=sys.stderr, flush=True)
     argv_rec = sys.argv[1:] if argv is None else argv
-    doc = {"argv": argv_rec, "rates": rates, "probe": probe,
+    doc = {"argv": argv_rec, "rates": rates, "probe": probe, "model": args.model, "repeats": args.repeats,
            "latency_model": {"path": str(model_path), **latency_model},
            "gain": {"w_p": gain.w_p, "w_d": gain.w_d},
            "policies": [{"name": sp.name, "base": sp.family, "budget": sp.budget, "params": dict(sp.params),
                          "engine_vllm_args": sp.engine_vllm_args()} for sp in specs],
            "failed": [], "rows": []}
     rows = doc["rows"]
-    for spec in specs:
-        # a sweep starts many engines: one that fails (start-up, a crash, a drain time-out) is
-        # reported and the others still run; results.json is rewritten after each, so an
-        # interrupted sweep can still be read with --report
-        try:
-            rows += run_policy(spec, rates, args, classes, classes_file, gain, port)
-        except (RuntimeError, TimeoutError, OSError) as e:
-            print(f"[{spec.name}] FAILED: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr, flush=True)
-            doc["failed"].append({"policy": spec.name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-        (out / "results.json").write_text(json.dumps(lg.clean_json(doc | {"partial": True}), indent=1) + "\n")
+    # with --repeats the configurations take turns (run 0 of each, then run 1 of each, ...),
+    # so a slow drift of the host weighs on every configuration alike
+    for rep in range(args.repeats):
+        for spec in specs:
+            # a sweep starts many engines: one that fails (start-up, a crash, a drain time-out) is
+            # reported and the others still run; results.json is rewritten after each, so an
+            # interrupted sweep can still be read with --report
+            repeat = rep if args.repeats > 1 else None
+            try:
+                rows += run_policy(spec, rates, args, classes, classes_file, gain, port, repeat)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                print(f"[{spec.name}] FAILED: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr, flush=True)
+                doc["failed"].append({"policy": spec.name, "repeat": repeat,
+                                      "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            (out / "results.json").write_text(json.dumps(lg.clean_json(doc | {"partial": True}), indent=1) + "\n")
     wall = time.monotonic() - t_all
-    best = best_of(rows)
-    table = format_table(rows) + ("\n\n" + format_best(rows, best) if best else "")
+    table, best = tables(rows)
     failed = "".join(f"# FAILED {f['policy']}: {f['error'].splitlines()[0]}\n" for f in doc["failed"])
     header = (f"# python -m proserve.bench.engine_policies {' '.join(argv_rec)}\n"
               f"# rates {', '.join(f'{r:g}' for r in rates)} req/s; {args.duration:g} s of the Azure conv trace "
               f"per rate, prompt/{args.prompt_div:g}, output/{args.output_div:g}; SLO TTFT {args.ttft_slo:g} s, "
-              f"TPOT {args.tpot_slo:g} s; w_p {gain.w_p:.3f}, w_d {gain.w_d:g}; wall {wall / 60:.1f} min\n"
+              f"TPOT {args.tpot_slo:g} s; w_p {gain.w_p:.3f}, w_d {gain.w_d:g}; model {args.model or 'tiny'}; "
+              f"{args.repeats} run(s) per configuration; wall {wall / 60:.1f} min\n"
               + failed)
     print(header + table)
     doc.update(wall_s=wall, best_of=best)

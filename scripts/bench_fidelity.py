@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from proserve.bench import loadgen as lg  # noqa: E402
 from proserve.bench.engine_policies import parse_metrics  # noqa: E402
+from proserve.bench.scaled_model import make_scaled_model  # noqa: E402
 from proserve.bench.loadgen.report import load_records  # noqa: E402
 from proserve.bench.loadgen.scoring import to_request  # noqa: E402
 from proserve.profiler.modelfile import load as load_model  # noqa: E402
@@ -53,25 +54,6 @@ from proserve.scheduler.tdg import summarize  # noqa: E402
 from proserve.sim.cluster import SimConfig, simulate  # noqa: E402
 
 DEPLOYMENTS = ("colocated", "1p1d")
-# The bundled tiny Llama (2 layers, hidden 256) scaled up ~30x in compute: on an AMX host one core
-# prefills the tiny model at ~9 us/token, so the HTTP/SSE path, not the engine, would bound the
-# cluster. This shape (4 layers, hidden 1024, random weights) keeps the engine the bottleneck,
-# as a real model on a real accelerator is. Same tokenizer and vocabulary as the tiny model.
-SCALED_MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
-                "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
-
-
-def make_scaled_model(dest: Path) -> Path:
-    """Write the scaled random-weight model (config + the tiny model's tokenizer) to ``dest``."""
-    import shutil
-    tiny = ROOT / "prefill" / "models" / "tiny-llama"
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in tiny.glob("tokenizer*"):
-        shutil.copy(f, dest / f.name)
-    config = json.loads((tiny / "config.json").read_text())
-    config.update(SCALED_MODEL)
-    (dest / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    return dest
 FIGURES = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")
 # one API key per class for the dispatcher (--keys) and the load generator (--api proserve)
 CLASS_KEYS = {"high": "sk-fidelity-high-0001", "low": "sk-fidelity-low-00001"}
@@ -496,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of trace per rate")
     ap.add_argument("--model", default="scaled",
                     help="model directory every worker serves, or 'scaled' (default): the tiny Llama "
-                         "scaled up (SCALED_MODEL), written to OUT/model")
+                         "scaled up (proserve.bench.scaled_model), written to OUT/model")
     ap.add_argument("--latency-model", default=None,
                     help="the profile every real worker, the dispatcher and the simulator use "
                          "(default OUT/model-cpu.json: run scripts/profile.sh on the model first)")

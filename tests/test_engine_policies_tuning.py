@@ -228,3 +228,61 @@ def test_report_reprints_a_recorded_results_file(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert ep.main(["--report", str(tmp_path / "bad.json")]) == 2
     assert "rows" in capsys.readouterr().err
+
+
+# --- the model and repeated runs --------------------------------------------------------------
+
+def test_engine_command_serves_the_given_model_with_dummy_weights_when_it_has_none(tmp_path):
+    from proserve.bench.scaled_model import SCALED_MODEL, make_scaled_model
+    model = make_scaled_model(tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    assert all(cfg[k] == v for k, v in SCALED_MODEL.items()) and (model / "tokenizer.json").exists()
+    cmd = ep.engine_command(ep.parse_policy("slide_batching"), 1, SimpleNamespace(**vars(ARGS), model=str(model)),
+                            Path("/tmp/c.json"), 1.0, Path("/tmp/s.jsonl"))
+    before = cmd[:cmd.index("--")]
+    assert before[before.index("--model") + 1] == str(model)
+    assert before[before.index("--load-format") + 1] == "dummy"
+    (model / "model.safetensors").write_bytes(b"")               # weights present: vLLM's own load format
+    cmd = ep.engine_command(ep.parse_policy("slide_batching"), 1, SimpleNamespace(**vars(ARGS), model=str(model)),
+                            Path("/tmp/c.json"), 1.0, Path("/tmp/s.jsonl"))
+    assert "--load-format" not in cmd
+    assert "--model" not in _cmd("slide_batching")               # default: the worker's bundled tiny model
+
+
+def test_main_refuses_a_missing_model_and_bad_repeats(tmp_path, capsys):
+    assert ep.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert ep.main(["--repeats", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--repeats" in capsys.readouterr().err
+
+
+def _run(policy, rate, rep, tdg, slo, ttft99=0.4):
+    r = _row(policy, rate, tdg, slo)
+    r["repeat"] = rep
+    for m in r["metrics"].values():
+        m["ttft_p99"] = ttft99
+    return r
+
+
+def test_mean_rows_fold_repeats_into_mean_and_sd():
+    rows = [_run("slide_batching", 4.0, 0, 0.90, 0.80, 1.0), _run("stock_fcfs@256", 4.0, 0, 0.95, 0.70),
+            _run("slide_batching", 4.0, 1, 0.80, 0.60, 3.0), _run("stock_fcfs@256", 4.0, 1, 0.85, 0.50),
+            _run("slide_batching", 4.0, 2, 0.70, float("nan"), 2.0)]
+    means = {m["policy"]: m for m in ep.mean_rows(rows)}
+    sb = means["slide_batching"]
+    assert sb["runs"] == 3 and sb["metrics"]["all"]["requests"] == 30
+    assert sb["metrics"]["all"]["tdg_ratio"] == pytest.approx(0.80)
+    assert sb["metrics"]["all"]["tdg_ratio_sd"] == pytest.approx(0.10)
+    # a NaN run is left out of that metric's mean, not counted as 0
+    assert sb["metrics"]["all"]["slo_attainment"] == pytest.approx(0.70)
+    assert sb["metrics"]["high"]["ttft_p99"] == pytest.approx(2.0)
+    one = ep.mean_rows([_run("stock_fcfs@64", 8.0, 0, 0.5, 0.5)])[0]
+    assert one["runs"] == 1 and one["metrics"]["all"]["tdg_ratio_sd"] is None
+    # the best-of selection ranks the means: fcfs@256 mean TDG 0.90 > SlideBatching 0.80
+    text, best = ep.tables(rows)
+    assert best["stock_fcfs"]["deployed"]["tdg_ratio"]["mean"] == pytest.approx(0.90)
+    assert "# mean ± sd over the runs" in text and "0.800 ± 0.100" in text and "slide_batching #2" in text
+    cmp_line = next(ln for ln in text.splitlines() if ln.startswith("4 ") and "slide_batching" in ln)
+    assert cmp_line.split()[-4] == "-0.100"                      # dTDG on the means
+    single, _ = ep.tables([_row("stock_fcfs@64", 8.0, 0.5, 0.5)])
+    assert "mean ± sd" not in single
