@@ -483,6 +483,8 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"headroom": 1.0}, "headroom"),
     ("slide_batching", {"headroom": -0.1}, "headroom"),
     ("slide_batching", {"age_limit": 0.0}, "age_limit"),
+    ("slide_batching", {"pace": "mean"}, "pace"),
+    ("slide_batching", {"budget_cap": 0.0}, "budget_cap"),
     ("slide_batching", {"age_share": 0.0}, "age_share"),
     ("slide_batching", {"age_share": 1.5}, "age_share"),
     ("wo_latency_aware", {"token_budget": 0}, "token_budget"),
@@ -629,6 +631,41 @@ def test_slide_headroom_lowers_the_budget_and_its_floor():
     assert policy("slide_batching", headroom=0.2).schedule(view([late])).info.t_budget == pytest.approx(0.08)
     # h = 0 is Algorithm 1 as written
     assert policy("slide_batching", headroom=0.0).schedule(view([w1, w2], [d1])).info.t_budget == pytest.approx(0.15)
+
+
+def test_slide_pace_first_token_bounds_the_budget_by_the_running_mean_tpot():
+    # d: arrived at 0, first token at 0.01 (its TTFT deadline was 1.0), 3 tokens by now = 0.2.
+    # Eq. 3: token 4 is due at 0 + TTFT + 3·TPOT = 1.3 -> remain 1.1; anchored at the first
+    # token (footnote 2): 0.01 + 3·0.1 = 0.31 -> remain 0.11. The waiting prompt: remain 0.8.
+    d = dec("d", 0.0, emitted=3)
+    w = wait("w", 0.0, 400)
+    assert d.token_times[0] == pytest.approx(0.01) and len(d.token_times) == 3
+    eq3 = policy("slide_batching", headroom=0.2).schedule(view([w], [d], now=0.2))
+    assert eq3.info.t_budget == pytest.approx(0.8 - 0.02)          # the prompt's deadline bounds it
+    paced = policy("slide_batching", headroom=0.2, pace="first_token").schedule(view([w], [d], now=0.2))
+    assert paced.info.t_budget == pytest.approx(0.11 - 0.02)
+    assert paced.info.est_time <= 0.09 + 1e-12
+    # Eq. 3: the whole prompt (0.4 s) rides in this 0.42 s step, stalling d's stream.
+    # Paced: d (remain 0.11) goes before w (0.8) and w gets what is left:
+    # (0.09 - t_c 0.01 - d's 0.001) / 1 ms = 79 tokens
+    assert chunks(eq3) == [("w", 400)] and decs(eq3) == ["d"]
+    assert decs(paced) == ["d"] and chunks(paced) == [("w", 79)]
+    assert urgent(paced) == urgent(eq3)                            # URGENT marking keeps Eq. 3
+    # a decode behind its pace floors the budget at (1 - h)·η, as a passed deadline does
+    late = policy("slide_batching", headroom=0.2, pace="first_token").schedule(view([w], [d], now=0.5))
+    assert late.info.t_budget == pytest.approx(0.08)
+
+
+def test_slide_budget_cap_bounds_the_budget_in_multiples_of_eta():
+    # the same queue as above under Eq. 3: budget 0.78; a cap of 2·η = 0.2 bounds it, and the
+    # floor (1 - h)·η still holds under a cap below it
+    d, w = dec("d", 0.0, emitted=3), wait("w", 0.0, 400)
+    capped = policy("slide_batching", headroom=0.2, budget_cap=2.0).schedule(view([w], [d], now=0.2))
+    assert capped.info.t_budget == pytest.approx(0.2) and capped.info.est_time <= 0.2 + 1e-12
+    tiny = policy("slide_batching", headroom=0.2, budget_cap=0.5).schedule(view([w], [d], now=0.2))
+    assert tiny.info.t_budget == pytest.approx(0.08)
+    assert policy("slide_batching", headroom=0.2, budget_cap=None).schedule(
+        view([w], [d], now=0.2)).info.t_budget == pytest.approx(0.78)
 
 
 def _starving_queue():

@@ -42,6 +42,23 @@ docs/results.md §10:
   0.1, 0.2, 0.3, 0.4 and 0.5 for both TDG_Ratio and SLO attainment from 3.5
   req/s on (faster decodes also let late requests' later tokens catch up with
   their deadlines), and level with h = 0 below.
+* ``pace``: which deadline of a decoding request bounds the budget (line 6).
+  ``"eq3"`` (the default, Algorithm 1): its next token's Eq. 3 deadline, counted
+  from arrival, so a request whose first token came early has slack, and the
+  budget lets decode steps run slower than the TPOT SLO while that slack lasts:
+  every token meets its TDG deadline, but the request's mean TPOT (what strict
+  SLO attainment counts) can end above the SLO. ``"first_token"``: the earlier of
+  that and the deadline anchored at the first token (the paper's footnote 2,
+  ``t_1 + k·TPOT_SLO`` for token k+1), which keeps each decode's running mean
+  TPOT within the SLO (less the headroom); NORMAL requests are ordered by that
+  remain too (else a decode that bounds the budget could wait behind a prompt
+  whose Eq. 3 deadline is earlier). URGENT marking and density keep Eq. 3.
+* ``budget_cap = c`` (default None: no cap): the budget is at most ``c·η`` (and
+  at least the floor). Algorithm 1 lets the budget grow to the least remain, up
+  to a TTFT SLO when every decode has slack, so one step can carry a long
+  prefill that stalls every running stream and every request arriving during it;
+  §4.2 expects ``[η, max TPOT_SLO]`` only under load. A cap keeps that range at
+  every load.
 * ``age_limit = k`` (default 8), ``age_share = ρ`` (default 0.25): no starvation. A request that has
   waited ``k·TTFT_SLO`` for its first token is AGED: aged requests run before
   the sliding order, oldest first, within ``ρ·(t_budget − t_c)`` of each step
@@ -66,6 +83,7 @@ from ..registry import register_local
 from .base import COLOCATED, PREFILL_ONLY, BatchBuilder, BatchPlan, InstanceView, LocalPolicy, StepTerms
 
 PHIS = ("auto", "a", "c", "p")
+PACES = ("eq3", "first_token")
 
 
 @register_local
@@ -80,7 +98,8 @@ class SlideBatching(LocalPolicy):
 
     def __init__(self, estimator, gain=None, classes=None, gamma: float = 1.0,
                  eta: float | None = None, phi: str = "auto", token_budget: int | None = None,
-                 headroom: float = 0.3, age_limit: float | None = 8.0, age_share: float = 0.25):
+                 headroom: float = 0.3, age_limit: float | None = 8.0, age_share: float = 0.25,
+                 pace: str = "eq3", budget_cap: float | None = None):
         super().__init__(estimator, gain, classes)
         self.gamma = validate.positive(self.name, "gamma", gamma)
         self.eta = validate.positive(self.name, "eta", self.min_tpot_slo() if eta is None else eta)
@@ -93,6 +112,10 @@ class SlideBatching(LocalPolicy):
         self.age_limit = math.inf if age_limit is None else validate.positive(
             self.name, "age_limit", age_limit, allow_inf=True)
         self.age_share = validate.number(self.name, "age_share", age_share, 0.0, 1.0, lo_open=True)
+        self.pace = validate.one_of(self.name, "pace", pace, PACES)
+        # budget_cap None or inf: no cap (Algorithm 1 as written)
+        self.budget_cap = math.inf if budget_cap is None else validate.positive(
+            self.name, "budget_cap", budget_cap, allow_inf=True)
 
     # -- Alg. 1 lines 1-7 --------------------------------------------------------
     def _annotate(self, Q, now: float) -> tuple[list[float], list[float], list[float]]:
@@ -138,6 +161,21 @@ class SlideBatching(LocalPolicy):
         normal = sorted((i for i in idx if not urgent[i]), key=remains.__getitem__)
         return up + normal
 
+    def _paced(self, Q, remains: list[float], now: float) -> list[float]:
+        """The remains that set the budget (line 6) and order the NORMAL requests (line 13).
+        ``pace="eq3"``: Eq. 3's, as written. ``pace="first_token"``: a decoding request's
+        remain is to the earlier of its Eq. 3 deadline and its first-token-anchored one
+        (footnote 2: ``t_1 + k·TPOT_SLO`` for its token k+1), so slack won by an early first
+        token is not spent on slower decode steps. URGENT marking and density keep Eq. 3."""
+        if self.pace == "eq3":
+            return remains
+        out = list(remains)
+        for i, r in enumerate(Q):
+            tt = r.token_times
+            if tt:
+                out[i] = min(out[i], tt[0] + len(tt) * r.tpot_slo - now)
+        return out
+
     def _aged(self, Q, now: float) -> list[int]:
         """Indices of the AGED requests of ``Q`` (waited ``age_limit·TTFT_SLO`` without a
         first token and still prefilling), oldest first."""
@@ -157,12 +195,14 @@ class SlideBatching(LocalPolicy):
             return b.finish(t_budget=0.0)
         execs, remains, dens = self._annotate(Q, view.now)
         h = self.headroom
-        t_budget = max(min(remains) - h * self.eta, (1.0 - h) * self.eta)   # lines 6-7 (h = 0: as written)
+        paced = self._paced(Q, remains, view.now)
+        t_budget = max(min(min(paced) - h * self.eta, self.budget_cap * self.eta),
+                       (1.0 - h) * self.eta)           # lines 6-7 (h = 0, eq3, no cap: as written)
         if self.ordering == "slide":
             urgent = self._mark_urgent(execs, remains, t_budget, view.mode)
         else:                                                  # the ablations of §5.4
             urgent = [self.ordering == "density"] * len(Q)
-        order = self._order(remains, dens, urgent)
+        order = self._order(paced, dens, urgent)
         n_urgent = sum(urgent)
         n_normal = len(Q) - n_urgent
         b.plan.terms = StepTerms(Q, execs, remains, dens, urgent)
