@@ -67,7 +67,8 @@ TDG_TOL = 0.03       # absolute difference on TDG_Ratio
 class Cluster:
     """``scripts/launch_cluster.sh`` for one deployment and local policy; stopped on exit."""
 
-    def __init__(self, deployment: str, policy: str, run_dir: Path, args, classes_file: Path, w_p: float):
+    def __init__(self, deployment: str, policy: str, run_dir: Path, args, classes_file: Path, w_p: float,
+                 dispatcher_args: tuple = ()):
         self.run_dir = run_dir
         self.url = f"http://127.0.0.1:{args.port}"
         self.worker_urls = [f"http://127.0.0.1:{args.port + 100}"]
@@ -97,7 +98,8 @@ class Cluster:
             cmd += ["-D", "1", "--decode-args", dargs]
             self.worker_urls.append(f"http://127.0.0.1:{args.port + 200}")
         cmd += ["--prefill-args", pargs + " -- --no-enable-prefix-caching",
-                "--", "--classes", str(classes_file), "--w-p", repr(w_p), "--latency-model", args.latency_model]
+                "--", "--classes", str(classes_file), "--w-p", repr(w_p), "--latency-model", args.latency_model,
+                *dispatcher_args]
         self.cmd = cmd
         self.key = None
         t0 = time.monotonic()

@@ -348,6 +348,9 @@ def test_replay_accounts_every_failure_per_class():
     for rid in ("r1", "r3"):
         assert by[rid].status == 400 and by[rid].error.startswith("HTTP 400: vllm_xargs.ttft_slo")
         assert by[rid].token_times == []
+        # when the refusal's status line came, on the run clock (its latency: responded - sent)
+        assert by[rid].sent <= by[rid].responded
+    assert by["r0"].sent <= by["r0"].responded <= by["r0"].token_times[0]
     s = lg.summarize_run(reqs, run.results, GainConfig())
     assert s["errors"]["low"]["errors"] == 2 and s["errors"]["high"]["errors"] == 0
     assert s["metrics"]["low"]["slo_attainment"] == 0.0 and s["metrics"]["low"]["tdg_ratio"] == 0.0

@@ -39,7 +39,7 @@ async def _one(session, url: str, headers: dict, payload: bytes, res: Result, cl
     try:
         async with session.post(url, data=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            res.status = resp.status
+            res.status, res.responded = resp.status, clock()
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {await _error_message(resp)}"
                 return res

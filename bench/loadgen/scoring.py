@@ -31,6 +31,7 @@ class Result:
     sent: float | None = None           # actual send time
     token_times: list[float] = field(default_factory=list)
     status: int | None = None           # HTTP status (None: no response)
+    responded: float | None = None      # when the status line arrived (a 429's latency: responded - sent)
     error: str | None = None
     finish_reason: str | None = None
     usage_tokens: int | None = None
