@@ -485,6 +485,7 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"age_limit": 0.0}, "age_limit"),
     ("slide_batching", {"pace": "mean"}, "pace"),
     ("slide_batching", {"budget_cap": 0.0}, "budget_cap"),
+    ("slide_batching", {"decode_first": "yes"}, "decode_first"),
     ("slide_batching", {"age_share": 0.0}, "age_share"),
     ("slide_batching", {"age_share": 1.5}, "age_share"),
     ("wo_latency_aware", {"token_budget": 0}, "token_budget"),
@@ -666,6 +667,19 @@ def test_slide_budget_cap_bounds_the_budget_in_multiples_of_eta():
     assert tiny.info.t_budget == pytest.approx(0.08)
     assert policy("slide_batching", headroom=0.2, budget_cap=None).schedule(
         view([w], [d], now=0.2)).info.t_budget == pytest.approx(0.78)
+
+
+def test_slide_decode_first_puts_normal_decodes_before_normal_prefills():
+    # d: a decode with slack (Eq. 3 remain 1.1 at now 0.2); p: a prompt of 300 tokens due at 0.8;
+    # budget capped at 1.0·η = 0.1 s (headroom 0): Algorithm 1 orders p (0.8) before d (1.1) and
+    # p takes the whole budget, (0.1 - t_c) / 1 ms = 90 tokens, leaving d out of this step
+    d, p = dec("d", 0.0, emitted=3), wait("p", 0.0, 300)
+    alg1 = policy("slide_batching", budget_cap=1.0).schedule(view([p], [d], now=0.2))
+    assert urgent(alg1) == {"p": False, "d": False}
+    assert chunks(alg1) == [("p", 90)] and decs(alg1) == []
+    # decode_first: d first (1 ms), p gets the 89 left
+    first = policy("slide_batching", budget_cap=1.0, decode_first=True).schedule(view([p], [d], now=0.2))
+    assert decs(first) == ["d"] and chunks(first) == [("p", 89)]
 
 
 def _starving_queue():
