@@ -468,6 +468,20 @@ def summary_line(rows: list[dict]) -> str:
 
 # --- main ----------------------------------------------------------------------------------
 
+def add_cluster_args(ap: argparse.ArgumentParser, port: int, port_help: str) -> None:
+    """The workload shaping, SLOs and cluster flags :class:`Cluster` and :func:`workload` read
+    (shared with scripts/bench_admission_real.py)."""
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-div", type=float, default=4.0)
+    ap.add_argument("--output-div", type=float, default=4.0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--ttft-slo", type=float, default=0.5)
+    ap.add_argument("--tpot-slo", type=float, default=0.05)
+    ap.add_argument("--port", type=int, default=port, help=port_help)
+    ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -490,15 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(scripts/profile.sh ... -- --max-num-batched-tokens 2048)")
     ap.add_argument("--kv-bandwidth", type=float, default=0.5e9,
                     help="simulated KV bandwidth, bytes/s (default: CURVE over loopback, docs/results.md §8.3)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompt-div", type=float, default=4.0)
-    ap.add_argument("--output-div", type=float, default=4.0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--ttft-slo", type=float, default=0.5)
-    ap.add_argument("--tpot-slo", type=float, default=0.05)
-    ap.add_argument("--port", type=int, default=8600, help="dispatcher port; workers at +100, +200, KV at +300")
-    ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    add_cluster_args(ap, 8600, "dispatcher port; workers at +100, +200, KV at +300")
     ap.add_argument("--calibration-requests", type=int, default=20,
                     help="requests sent one at a time on the idle cluster to measure its delays (default 20)")
     ap.add_argument("--table-variant", choices=VARIANTS, default="served",
