@@ -71,6 +71,9 @@ docs/results.md §10:
   it out of steps while prompts fill the budget, and its stream pauses
   (measured on the real engine: 9–15 of 28 decodes left out for six steps, a
   0.56 s gap; docs/results.md §4.2). URGENT requests keep density order.
+  Measured there, it is worse (TDG_Ratio 0.930 against 1.000 at 0.35×
+  capacity): at the budget's floor the decodes and t_c leave prompts a few ms,
+  so it is not the default.
 * ``age_limit = k`` (default 8), ``age_share = ρ`` (default 0.25): no starvation. A request that has
   waited ``k·TTFT_SLO`` for its first token is AGED: aged requests run before
   the sliding order, oldest first, within ``ρ·(t_budget − t_c)`` of each step
