@@ -602,7 +602,7 @@ def format_table(rows: list[dict]) -> str:
                 st = row.get("step_stats", {})
                 beta = (f"{st['beta_min']:.2f}-{st['beta_max']:.2f}" if st.get("steps") else "-")
                 line += [_f(o["sched_ms_per_step"], "{:.3f}"), _f(o["step_ms"], "{:.2f}"),
-                         _f(o["sched_share"] * 100 if o["sched_share"] == o["sched_share"] else None, "{:.2f}%"),
+                         _f(o["sched_share"] * 100 if _finite(o.get("sched_share")) else None, "{:.2f}%"),
                          _f(st.get("step_p99_ms"), "{:.0f}"), beta]
             else:
                 line += [""] * 5
@@ -930,11 +930,14 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {int(c) for c in args.host_cpu.split(",")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the engines run with cwd=ROOT (Engine): hand them absolute paths, checked from here
     if args.model == "scaled":
-        args.model = str(make_scaled_model(out / "model"))
-    elif args.model and not Path(args.model).exists():
-        print(f"error: --model {args.model}: no such directory", file=sys.stderr)
-        return 2
+        args.model = str(make_scaled_model(out / "model").resolve())
+    elif args.model:
+        if not Path(args.model).is_dir():
+            print(f"error: --model {args.model}: no such directory", file=sys.stderr)
+            return 2
+        args.model = str(Path(args.model).resolve())
     classes_file = out / "classes.json"
     classes_file.write_text(json.dumps([{"name": c.name, "weight": c.weight, "ttft_slo": c.ttft_slo,
                                          "tpot_slo": c.tpot_slo} for c in classes.values()]))

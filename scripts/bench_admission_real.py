@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import time
@@ -58,11 +59,14 @@ def class_report(records: list[dict], summary: dict) -> dict:
     out = {}
     for cls in sorted({r["priority"] for r in records}):
         rs = [r for r in records if r["priority"] == cls]
-        rej = [r["responded"] - r["sent"] for r in rs if r["status"] == 429 and r["responded"] is not None]
+        n_rej = sum(1 for r in rs if r["status"] == 429)
+        # records written before Result.responded existed have no such key: count, no latency
+        rej = [r["responded"] - r["sent"] for r in rs
+               if r["status"] == 429 and r.get("responded") is not None and r.get("sent") is not None]
         served = [r for r in rs if r["status"] == 200 and r["ttft"] is not None]
         over = [max(0.0, r["ttft"] - r["ttft_slo"]) for r in served]
         m = summary["metrics"].get(cls, {})
-        out[cls] = {"requests": len(rs), "served": len(served), "rejected": len(rej),
+        out[cls] = {"requests": len(rs), "served": len(served), "rejected": n_rej,
                     "other_errors": sum(1 for r in rs if r["status"] not in (200, 429)),
                     "tdg_ratio": m.get("tdg_ratio"), "slo_attainment": m.get("slo_attainment"),
                     "reject_s": {"p50": _pct(rej, 0.5), "p99": _pct(rej, 0.99), "max": max(rej, default=None),
@@ -94,6 +98,11 @@ def main(argv=None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         print(f"error: --modes: unknown {bad or 'empty'} (choose from {', '.join(MODES)})", file=sys.stderr)
+        return 2
+    if not (args.load > 0 and args.capacity > 0 and round(args.load * args.capacity, 2) > 0
+            and math.isfinite(args.load * args.capacity)):
+        print(f"error: --load x --capacity must be a finite rate >= 0.01 req/s, got {args.load:g} x {args.capacity:g}",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,3 +38,16 @@ def test_bad_modes_are_refused_before_any_cluster(tmp_path, capsys):
     assert bar.main(["--modes", "queue,drop", "--out", str(tmp_path)]) == 2
     assert "drop" in capsys.readouterr().err
     assert bar.main(["--modes", ",", "--out", str(tmp_path)]) == 2
+
+
+def test_records_without_responded_still_count_their_429s():
+    # requests.jsonl written before Result.responded existed: counted, no latency
+    recs = [{"priority": "low", "status": 429, "sent": 1.0, "ttft": None, "ttft_slo": 0.5}]
+    rep = bar.class_report(recs, {"metrics": {}})
+    assert rep["low"]["rejected"] == 1 and rep["low"]["reject_s"]["max"] is None
+
+
+@pytest.mark.parametrize("flags", [["--load", "0"], ["--capacity", "-1"], ["--load", "nan"], ["--load", "1e-9"]])
+def test_a_rate_that_is_not_one_is_refused_before_anything_is_written(tmp_path, capsys, flags):
+    assert bar.main([*flags, "--out", str(tmp_path / "o")]) == 2
+    assert "rate" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -252,6 +252,9 @@ def test_engine_command_serves_the_given_model_with_dummy_weights_when_it_has_no
 def test_main_refuses_a_missing_model_and_bad_repeats(tmp_path, capsys):
     assert ep.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "weights.bin").write_bytes(b"")                  # a file is not a model directory
+    assert ep.main(["--model", str(tmp_path / "weights.bin"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such directory" in capsys.readouterr().err
     assert ep.main(["--repeats", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--repeats" in capsys.readouterr().err
 
@@ -286,3 +289,11 @@ def test_mean_rows_fold_repeats_into_mean_and_sd():
     assert cmp_line.split()[-4] == "-0.100"                      # dTDG on the means
     single, _ = ep.tables([_row("stock_fcfs@64", 8.0, 0.5, 0.5)])
     assert "mean ± sd" not in single
+
+
+def test_tables_of_a_recorded_run_with_a_null_overhead_share():
+    # results.json stores NaN as null (clean_json): a zero-step run's sched_share comes back None
+    r = _row("stock_fcfs@64", 8.0, 0.5, 0.5)
+    r["overhead"] = {"sched_ms_per_step": None, "step_ms": None, "sched_share": None}
+    text, _ = ep.tables([r])
+    assert "stock_fcfs@64" in text
