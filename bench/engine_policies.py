@@ -583,6 +583,13 @@ def _f(v, fmt: str) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
 
 
+def _render(head: list[str], body: list[list[str]]) -> str:
+    """Columns padded to width: the first three left-aligned (names), the rest right-aligned."""
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+
+
 def format_table(rows: list[dict]) -> str:
     head = ["policy", "rate", "class", "reqs", "err", "TDG", "SLO", "TTFT_p50", "TTFT_p99", "TPOT_p50",
             "TPOT_p99", "sched_ms/step", "step_ms", "sched_share", "step_p99_ms", "beta_min-max"]
@@ -607,9 +614,7 @@ def format_table(rows: list[dict]) -> str:
             else:
                 line += [""] * 5
             body.append(line)
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+    return _render(head, body)
 
 
 # --- repeated runs: mean +- sd ------------------------------------------------------------------
@@ -675,9 +680,7 @@ def format_mean_table(means: list[dict]) -> str:
             line += ([_f(o["sched_ms_per_step"], "{:.3f}"), _f(o["step_ms"], "{:.2f}")] if cls == "all"
                      else ["", ""])
             body.append(line)
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+    return _render(head, body)
 
 
 def tables(rows: list[dict]) -> tuple[str, dict]:
@@ -810,8 +813,6 @@ def format_best(rows: list[dict], best: dict | None = None) -> str:
                          for k, c in (("tdg_ratio", "all"), ("tdg_ratio", "high"),
                                       ("slo_attainment", "all"), ("slo_attainment", "high"))]
             body.append(line)
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = lambda r: "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
     deployed = "; ".join(f"{fam}: by TDG {b['deployed']['tdg_ratio']['policy']} (mean {b['deployed']['tdg_ratio']['mean']:.3f}), "
                          f"by SLO {b['deployed']['slo_attainment']['policy']} (mean {b['deployed']['slo_attainment']['mean']:.3f})"
                          for fam, b in best.items() if b["deployed"])
@@ -819,7 +820,7 @@ def format_best(rows: list[dict], best: dict | None = None) -> str:
             f"the one budget best on average over the rates: {deployed or '-'}\n"
             "# dTDG/dSLO(_hi): this row minus the best any stock configuration reached at this rate "
             "(overall / high class)\n")
-    return note + "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+    return note + _render(head, body)
 
 
 # --- command line -----------------------------------------------------------------------------

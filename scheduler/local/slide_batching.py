@@ -90,6 +90,7 @@ docs/results.md §10:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .. import validate
@@ -190,12 +191,10 @@ class SlideBatching(LocalPolicy):
         token is not spent on slower decode steps. URGENT marking and density keep Eq. 3."""
         if self.pace == "eq3":
             return remains
-        out = list(remains)
-        for i, r in enumerate(Q):
-            tt = r.token_times
-            if tt:
-                out[i] = min(out[i], tt[0] + len(tt) * r.tpot_slo - now)
-        return out
+        # the footnote-2 deadline is GainConfig's own (deadline="ttft_anchored"): never later
+        # than Eq. 3's, and the same for a request without its first token
+        anchored = dataclasses.replace(self.gain, deadline="ttft_anchored")
+        return [anchored.next_token_deadline(r) - now if r.token_times else rem for r, rem in zip(Q, remains)]
 
     def _aged(self, Q, now: float) -> list[int]:
         """Indices of the AGED requests of ``Q`` (waited ``age_limit·TTFT_SLO`` without a
