@@ -486,6 +486,7 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"pace": "mean"}, "pace"),
     ("slide_batching", {"budget_cap": 0.0}, "budget_cap"),
     ("slide_batching", {"decode_first": "yes"}, "decode_first"),
+    ("slide_batching", {"decode_first": 1}, "decode_first"),
     ("slide_batching", {"age_share": 0.0}, "age_share"),
     ("slide_batching", {"age_share": 1.5}, "age_share"),
     ("wo_latency_aware", {"token_budget": 0}, "token_budget"),
@@ -680,6 +681,22 @@ def test_slide_decode_first_puts_normal_decodes_before_normal_prefills():
     # decode_first: d first (1 ms), p gets the 89 left
     first = policy("slide_batching", budget_cap=1.0, decode_first=True).schedule(view([p], [d], now=0.2))
     assert decs(first) == ["d"] and chunks(first) == [("p", 89)]
+
+
+def test_slide_decode_first_all_puts_every_decode_before_urgent_prefills():
+    # d: a decode with slack (Eq. 3 remain 1.1 at now 0.2); p: a 500-token prompt that arrived at
+    # -0.4, due at 0.6 (remain 0.4). Budget capped at η = 0.1 (headroom 0). φ_a (Eq. 8) =
+    # 0.1/0.09 · (0.5 + 0.001) = 0.557: p (0.4) is URGENT, d (1.1) NORMAL
+    d, p = dec("d", 0.0, emitted=3), wait("p", -0.4, 500)
+    mark = policy("slide_batching", budget_cap=1.0, decode_first=True).schedule(view([p], [d], now=0.2))
+    assert urgent(mark) == {"p": True, "d": False}
+    # decode_first=True reorders NORMAL requests only: the URGENT prompt takes the whole budget,
+    # (0.1 - t_c) / 1 ms = 90 tokens, and d is left out of the step
+    assert chunks(mark) == [("p", 90)] and decs(mark) == []
+    # "all": every decode first (1 ms), the URGENT prompt gets the 89 tokens left
+    every = policy("slide_batching", budget_cap=1.0, decode_first="all").schedule(view([p], [d], now=0.2))
+    assert decs(every) == ["d"] and chunks(every) == [("p", 89)]
+    assert urgent(every) == urgent(mark)                           # the marking is unchanged
 
 
 def _starving_queue():

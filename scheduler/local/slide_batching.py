@@ -65,15 +65,27 @@ docs/results.md §10:
   that range at every load. On the real engine (docs/results.md §4.2, one run)
   a cap of 1.2·η did not raise SLO attainment: steps stayed short, but decodes
   were still left out of steps for prompts with nearer deadlines.
-* ``decode_first`` (default False): NORMAL decodes go before NORMAL prefills
-  (Sarathi-Serve's decode-first, within the sliding order). Under Eq. 3 a
-  decode with slack has a later remain than a new prompt, so Algorithm 1 leaves
-  it out of steps while prompts fill the budget, and its stream pauses
+* ``decode_first`` (default False): ``True``: NORMAL decodes go before NORMAL
+  prefills (Sarathi-Serve's decode-first, within the sliding order). Under Eq. 3
+  a decode with slack has a later remain than a new prompt, so Algorithm 1
+  leaves it out of steps while prompts fill the budget, and its stream pauses
   (measured on the real engine: 9–15 of 28 decodes left out for six steps, a
   0.56 s gap; docs/results.md §4.2). URGENT requests keep density order.
   Measured there, it is worse (TDG_Ratio 0.930 against 1.000 at 0.35×
   capacity): at the budget's floor the decodes and t_c leave prompts a few ms,
-  so it is not the default.
+  and URGENT prompts still push decodes out. ``"all"``: every decode goes
+  first, URGENT or not (as vLLM's own scheduler does), and the prefills follow
+  in Algorithm 1's order (URGENT by density, NORMAL by remain) in what is left
+  (with aging on, aged prompts still take their share ρ first; and decodes that
+  do not fit the budget wait, as in Algorithm 1). A decode costs a fraction of a
+  millisecond, so a step then holds every running stream and its TPOT is the
+  step's length, which ``headroom`` and ``budget_cap`` bound. On the real engine
+  (docs/results.md §4.3, three runs) ``"all"`` with ``phi="c"``,
+  ``headroom=0.1`` and ``budget_cap=0.9`` (steps planned at 0.9·η) raised SLO
+  attainment below saturation (0.988 at 0.35× capacity, 0.918 at 0.7×, against
+  the defaults' 0.950 and 0.739 the day before) but not past it (TDG_Ratio
+  0.798 ± 0.094 at 1.1×, against 0.863); it is not the default, which stays
+  the simulator's choice (§10).
 * ``age_limit = k`` (default 8), ``age_share = ρ`` (default 0.25): no starvation. A request that has
   waited ``k·TTFT_SLO`` for its first token is AGED: aged requests run before
   the sliding order, oldest first, within ``ρ·(t_budget − t_c)`` of each step
@@ -115,7 +127,7 @@ class SlideBatching(LocalPolicy):
     def __init__(self, estimator, gain=None, classes=None, gamma: float = 1.0,
                  eta: float | None = None, phi: str = "auto", token_budget: int | None = None,
                  headroom: float = 0.3, age_limit: float | None = 8.0, age_share: float = 0.25,
-                 pace: str = "eq3", budget_cap: float | None = None, decode_first: bool = False):
+                 pace: str = "eq3", budget_cap: float | None = None, decode_first: bool | str = False):
         super().__init__(estimator, gain, classes)
         self.gamma = validate.positive(self.name, "gamma", gamma)
         self.eta = validate.positive(self.name, "eta", self.min_tpot_slo() if eta is None else eta)
@@ -129,7 +141,9 @@ class SlideBatching(LocalPolicy):
             self.name, "age_limit", age_limit, allow_inf=True)
         self.age_share = validate.number(self.name, "age_share", age_share, 0.0, 1.0, lo_open=True)
         self.pace = validate.one_of(self.name, "pace", pace, PACES)
-        self.decode_first = validate.boolean(self.name, "decode_first", decode_first)
+        if decode_first is not True and decode_first is not False and decode_first != "all":
+            validate.fail(self.name, "decode_first", 'true, false or "all"', decode_first)
+        self.decode_first = decode_first
         # budget_cap None or inf: no cap (Algorithm 1 as written)
         self.budget_cap = math.inf if budget_cap is None else validate.positive(
             self.name, "budget_cap", budget_cap, allow_inf=True)
@@ -173,8 +187,14 @@ class SlideBatching(LocalPolicy):
 
     def _order(self, remains: list[float], dens: list[float], urgent: list[bool], Q=None) -> list[int]:
         """Line 13: URGENT by density desc, then NORMAL by remain asc (indices into Q). With
-        ``Q`` (``decode_first``), NORMAL decodes go before NORMAL prefills."""
+        ``Q`` and ``decode_first=True``, NORMAL decodes go before NORMAL prefills; with
+        ``decode_first="all"``, every decode goes first (URGENT ones by density, then the
+        NORMAL ones by remain), then the prefills in Algorithm 1's order."""
         idx = range(len(remains))
+        if Q is not None and self.decode_first == "all":
+            base = self._order(remains, dens, urgent)
+            is_decode = [r.prefilled >= r.prefill_len for r in Q]
+            return [i for i in base if is_decode[i]] + [i for i in base if not is_decode[i]]
         up = sorted((i for i in idx if urgent[i]), key=dens.__getitem__, reverse=True)  # stable, as -density
         if Q is None:
             key = remains.__getitem__
