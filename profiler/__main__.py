@@ -18,7 +18,7 @@ from proserve.scheduler.request import ConfigError
 from . import grid as gridmod
 from . import modelfile
 from .fit import FitError, aggregate, fit, format_report, plot
-from .record import Measurement, RecordError, load_samples, write_samples
+from .record import Measurement, RecordError, load_samples, load_steps, write_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "prefill" / "models" / "tiny-llama"
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -m proserve.profiler --out profiler/models/tiny-llama-cpu.json --plots docs/results/profile\n"
                "  python -m proserve.profiler --grid quick --out /tmp/m.json --samples /tmp/s.jsonl\n"
                "  python -m proserve.profiler --from-samples /tmp/s.jsonl --out /tmp/m2.json   # refit, no engine\n"
+               "  python -m proserve.profiler --from-steps out/run/steps-prefill.jsonl --out /tmp/served.json"
+               "   # fit as it serves\n"
                "Run engines one at a time on a shared machine (scripts/profile.sh takes a lock).")
     e = ap.add_argument_group("engine")
     e.add_argument("--model", default=str(TINY_MODEL),
@@ -87,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write every recorded step (JSONL: point, repeat, status, batch, time) here")
     o.add_argument("--from-samples", default=None, metavar="FILE",
                    help="fit from a --samples file of an earlier run instead of running an engine")
+    o.add_argument("--from-steps", nargs="+", default=None, metavar="FILE",
+                   help="fit from the step records of a serving worker (its --record-steps JSONL) instead of "
+                        "running an engine: the model then describes steps as the engine serves them, with "
+                        "its HTTP server and streaming beside it. Records hold no engine facts (block size, KV blocks, KV "
+                        "bytes per token): the simulator uses its defaults for a model fitted this way")
+    o.add_argument("--skip-steps", type=int, default=20, metavar="N",
+                   help="--from-steps: leave out each engine run's first N steps (warm-up; default 20)")
+    o.add_argument("--steps-group", type=int, default=20, metavar="N",
+                   help="--from-steps: N consecutive steps form one held-out unit (default 20)")
     o.add_argument("--verbose", action="store_true", help="show vLLM's log (default: errors only)")
     return ap
 
@@ -97,7 +108,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> list[gridmod.Point] | None:
         validate.integer("", "--repeats", args.repeats)
         validate.integer("", "--retries", args.retries, 0)
         validate.number("", "--holdout", args.holdout, 0, 1, lo_open=True, hi_open=True)
-        if not args.from_samples:
+        if args.from_samples and args.from_steps:
+            raise ConfigError("--from-samples and --from-steps: give one source to fit from")
+        validate.integer("", "--skip-steps", args.skip_steps, 0)
+        validate.integer("", "--steps-group", args.steps_group)
+        if not (args.from_samples or args.from_steps):
             validate.integer("", "--block-size", args.block_size)
             if args.max_num_batched_tokens is not None:
                 validate.integer("", "--max-num-batched-tokens", args.max_num_batched_tokens)
@@ -105,7 +120,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> list[gridmod.Point] | None:
             validate.integer("", "--kv-cache-gib", args.kv_cache_gib)
     except ConfigError as e:
         ap.error(str(e))
-    if args.from_samples:
+    if args.from_samples or args.from_steps:
         return None
     if args.device == "cpu" and args.block_size % 32:
         ap.error(f"--block-size {args.block_size}: the vLLM CPU backend needs a multiple of 32")
@@ -248,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
             meta = {**header, **meta, "from_samples": str(args.from_samples)}
             if "command" in header:
                 meta.update(profile_command=header["command"], profile_date=header.get("date"))
+        elif args.from_steps:
+            measurements = load_steps(args.from_steps, args.skip_steps, args.steps_group)
+            meta.update(from_steps=[str(f) for f in args.from_steps], skip_steps=args.skip_steps,
+                        steps_group=args.steps_group,
+                        time="engine step time measured by the ProServe scheduler plugin while serving: "
+                             "end of schedule() to update_from_output()",
+                        aggregation="median of equal batch compositions within each group of consecutive steps")
         else:
             measurements, facts = profile(args, points)
             meta.update(model=_shown(args.model), device=args.device, dtype=args.dtype, block_size=args.block_size,
@@ -258,7 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         samples = aggregate(measurements)
         meta["n_measurements"] = _count(measurements)
         meta["n_samples"] = len(samples)
-        result = fit(samples, args.holdout, args.seed)
+        try:
+            result = fit(samples, args.holdout, args.seed)
+        except FitError as e:
+            if args.from_steps:      # its "grid points" are groups of steps
+                raise FitError(f"{e} (with --from-steps a point is --steps-group {args.steps_group} "
+                               f"consecutive steps: give more steps or a smaller group)") from None
+            raise
     except (RecordError, FitError, ConfigError, gridmod.GridError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -271,10 +299,11 @@ def main(argv: list[str] | None = None) -> int:
                                  ("a_p", "b_p", "c_p", "a_d", "b_d", "t_c")), metadata=meta)
     modelfile.save(model, args.out)
     print(format_report(result))
-    print(f"wrote {args.out}" + (f" and {args.samples}" if args.samples and not args.from_samples else ""))
+    wrote_samples = args.samples and not (args.from_samples or args.from_steps)
+    print(f"wrote {args.out}" + (f" and {args.samples}" if wrote_samples else ""))
     if args.plots:
         title = (f"{Path(str(meta['model'])).name} on {meta.get('device')}, {meta.get('dtype')}"
-                 if "model" in meta else f"refit from {Path(args.from_samples).name}")
+                 if "model" in meta else f"refit from {Path((args.from_samples or args.from_steps[0])).name}")
         paths = plot(result, args.plots, title)
         print("plots: " + ", ".join(str(p) for p in paths))
     print(json.dumps({"train_mape": meta["train_mape"], "holdout_mape": meta["holdout_mape"],

@@ -15,7 +15,10 @@ request that reached the engine one step late): only ``used`` steps are fit.
 
 :class:`Measurement` is one classified step; ``--samples`` files hold one per
 line after a header line describing the run, and ``--from-samples`` reads
-them back. Everything here is pure apart
+them back. :func:`load_steps` reads the step records of a *serving* worker
+(``--record-steps``) as measurements for ``--from-steps``: a latency model
+fitted where the engine serves (its HTTP server and streaming beside it), not
+only on the profiler's isolated batches. Everything here is pure apart
 from reading and writing those files.
 """
 
@@ -32,6 +35,8 @@ from .grid import Point
 STATUSES = ("used", "transient", "setup", "unexpected")
 
 Prefills = tuple[tuple[int, int], ...]
+#: no token count in a record reaches this (a context of 2^31 tokens is no engine's)
+MAX_TOKENS = 2 ** 31
 
 
 class RecordError(ValueError):
@@ -53,11 +58,13 @@ def _int(v) -> bool:
 def _composition(d: dict, where: str) -> tuple[Prefills, tuple[int, ...]]:
     pf, dec = d.get("prefills"), d.get("decodes")
     if not isinstance(pf, list) or not all(
-            isinstance(x, list) and len(x) == 2 and all(_int(v) for v in x) and x[0] >= 1 and x[1] >= 0
-            for x in pf):
-        raise RecordError(f"{where}: 'prefills' must be a list of [l_q >= 1, l_kv >= 0] integer pairs, got {pf!r}")
-    if not isinstance(dec, list) or not all(_int(v) and v >= 0 for v in dec):
-        raise RecordError(f"{where}: 'decodes' must be a list of integers >= 0, got {dec!r}")
+            isinstance(x, list) and len(x) == 2 and all(_int(v) and v < MAX_TOKENS for v in x) and x[0] >= 1
+            and x[1] >= 0 for x in pf):
+        raise RecordError(f"{where}: 'prefills' must be a list of [l_q >= 1, l_kv >= 0] integer pairs "
+                          f"(below {MAX_TOKENS}), got {pf!r:.200}")
+    if not isinstance(dec, list) or not all(_int(v) and 0 <= v < MAX_TOKENS for v in dec):
+        raise RecordError(f"{where}: 'decodes' must be a list of integers >= 0 (below {MAX_TOKENS}), "
+                          f"got {dec!r:.200}")
     if not pf and not dec:
         raise RecordError(f"{where}: empty step (no prefills, no decodes)")
     return tuple(sorted((int(q), int(k)) for q, k in pf)), tuple(sorted(int(k) for k in dec))
@@ -265,3 +272,50 @@ def write_samples(path: str | Path, measurements: Iterable[Measurement], header:
     p.parent.mkdir(parents=True, exist_ok=True)
     head = json.dumps({"profile": header}, sort_keys=True) + "\n" if header else ""
     p.write_text(head + "".join(m.to_json() + "\n" for m in measurements))
+
+
+def load_steps(paths: Sequence[str | Path], skip: int = 20, group: int = 20) -> list[Measurement]:
+    """The steps a serving worker recorded (``--record-steps`` JSONL, one engine run or
+    several appended) as ``used`` measurements for a refit (``--from-steps``).
+
+    Steps numbered ``skip`` or less are left out (each engine start's first steps
+    include its warm-up). Every ``group`` consecutive steps of a file form one
+    pseudo grid point (``<file index>:<group>``), the unit the held-out split draws
+    (whole points are held out, so no held-out step has its neighbours, near twins, in
+    training). Each line is validated as a step record (:func:`parse_line`); a
+    malformed one is an error naming its file and line. A file given twice is refused
+    (it would count every step twice), and so are records without a prefill or without
+    a decode step: Eq. 5-7 would then price that kind at nothing."""
+    if group < 1 or skip < 0:
+        raise RecordError(f"--steps-group must be >= 1 and --skip-steps >= 0, got {group} and {skip}")
+    seen: set[Path] = set()
+    out: list[Measurement] = []
+    for f, path in enumerate(paths):
+        p = Path(path)
+        key = p.resolve()
+        if key in seen:
+            raise RecordError(f"{p}: given twice")
+        seen.add(key)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise RecordError(f"{p}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise RecordError(f"{p}: not a text file (step records are JSON lines)") from None
+        n = 0
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            st = parse_line(line, f"{p}:{i}")
+            if st.step <= skip:
+                continue
+            out.append(Measurement(f"{f}:{n // group}", 0, "used", st.prefills, st.decodes, st.time, st.step))
+            n += 1
+    where = ", ".join(str(x) for x in paths)
+    if not out:
+        raise RecordError(f"{where}: no steps after the first {skip} of each engine run")
+    if not any(m.prefills for m in out) or not any(m.decodes for m in out):
+        missing = "prefill" if not any(m.prefills for m in out) else "decode"
+        raise RecordError(f"{where}: no step with a {missing} in it: a fit would price {missing}s at nothing "
+                          f"(a decode worker's records hold no prefills; give a co-located or prefill worker's)")
+    return out

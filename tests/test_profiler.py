@@ -24,6 +24,7 @@ from proserve.profiler.record import (
     Step,
     classify,
     load_samples,
+    load_steps,
     parse_line,
     read_samples,
     write_samples,
@@ -334,6 +335,91 @@ def test_from_samples_reports_the_bad_line(tmp_path, capsys):
     assert not (tmp_path / "m.json").exists()
 
 
+def _served_steps(path, n, seed=0, start=1, noise=0.02):
+    """``n`` step records as a serving worker writes them (``--record-steps``): a mix of
+    decode-only, prefill and mixed steps, timed by TRUE with noise, numbered from ``start``."""
+    rng = random.Random(seed)
+    lines = []
+    for k in range(n):
+        decodes = [rng.randint(20, 1500) for _ in range(rng.choice([0, 1, 4, 16, 40]))]
+        prefills = [[rng.randint(1, 700), rng.choice([0, 0, 128, 512])] for _ in range(rng.choice([0, 0, 1, 2]))]
+        if not decodes and not prefills:
+            decodes = [100]
+        t = TRUE.batch_time([tuple(p) for p in prefills], decodes) * (1 + rng.gauss(0, noise))
+        lines.append(json.dumps({"step": start + k, "wall": 1e9 + k, "prefills": prefills, "decodes": decodes,
+                                 "time": t, "est": t, "beta": 1.0}))
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_from_steps_fits_the_served_steps(tmp_path, capsys):
+    f = tmp_path / "steps-prefill.jsonl"
+    _served_steps(f, 400)
+    _served_steps(f, 300, seed=1)             # a second engine run appended: numbering restarts
+    out = tmp_path / "m.json"
+    assert main(["--from-steps", str(f), "--out", str(out), "--skip-steps", "20", "--steps-group", "10"]) == 0
+    m = modelfile.load(out)
+    assert m.c_p == pytest.approx(TRUE.c_p, rel=0.05) and m.t_c == pytest.approx(TRUE.t_c, rel=0.1)
+    md = m.metadata
+    assert md["from_steps"] == [str(f)] and md["skip_steps"] == 20 and "while serving" in md["time"]
+    assert md["holdout_mape"] < 0.04
+    # each run's first 20 steps are left out: 380 + 280 steps, in groups of 10 per file
+    assert md["n_measurements"]["used"] == 660
+    assert md["n_train_points"] + md["n_holdout_points"] == 66
+
+
+def test_from_steps_reports_the_bad_line_and_refuses_two_sources(tmp_path, capsys):
+    f = tmp_path / "steps.jsonl"
+    _served_steps(f, 30)
+    with open(f, "a") as fh:
+        fh.write('{"step": 31, "prefills": [[0, 0]], "decodes": [], "time": 0.01}\n')
+    assert main(["--from-steps", str(f), "--out", str(tmp_path / "m.json")]) == 1
+    assert f"error: {f}:31: 'prefills' must be a list of [l_q >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+    # only warm-up steps: nothing to fit, said so
+    g = tmp_path / "short.jsonl"
+    _served_steps(g, 5)
+    assert main(["--from-steps", str(g), "--out", str(tmp_path / "m.json")]) == 1
+    assert "no steps after the first 20 of each engine run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--from-steps", str(f), "--from-samples", str(f), "--out", str(tmp_path / "m.json")])
+    assert e.value.code == 2 and "give one source" in capsys.readouterr().err
+
+
+def test_from_steps_keeps_files_apart_and_refuses_what_would_mislead(tmp_path, capsys):
+    # two runs' records of the same name (each run directory has a steps-prefill.jsonl): their
+    # groups stay apart (one held-out unit never mixes two runs)
+    a, b = tmp_path / "run1" / "steps-prefill.jsonl", tmp_path / "run2" / "steps-prefill.jsonl"
+    a.parent.mkdir(), b.parent.mkdir()
+    _served_steps(a, 70), _served_steps(b, 70, seed=1)
+    ms = load_steps([a, b], skip=20, group=10)
+    assert len(ms) == 100 and len({m.point for m in ms}) == 10
+    assert {m.point.split(":")[0] for m in ms} == {"0", "1"}
+    # the same file twice would count every step twice
+    with pytest.raises(RecordError, match="given twice"):
+        load_steps([a, tmp_path / "run1" / ".." / "run1" / "steps-prefill.jsonl"])
+    # a decode worker's records: no prefill, so Eq. 5 would be priced at nothing
+    d = tmp_path / "steps-decode.jsonl"
+    d.write_text("".join(json.dumps({"step": k, "prefills": [], "decodes": [100, 200], "time": 0.01}) + "\n"
+                         for k in range(1, 60)))
+    assert main(["--from-steps", str(d), "--out", str(tmp_path / "m.json")]) == 1
+    assert "no step with a prefill in it" in capsys.readouterr().err
+    # not text, and counts no engine has: clean errors naming the file (and line)
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(RecordError, match="not a text file"):
+        load_steps([binary])
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"step": 30, "prefills": [[10 ** 400, 0]], "decodes": [], "time": 0.01}) + "\n")
+    with pytest.raises(RecordError, match=r"huge.jsonl:1: 'prefills' must be"):
+        load_steps([huge])
+    # one group only: the held-out split cannot be made, and the error says which flag helps
+    one = tmp_path / "one.jsonl"
+    _served_steps(one, 30)
+    assert main(["--from-steps", str(one), "--out", str(tmp_path / "m.json"), "--steps-group", "50"]) == 1
+    assert "--steps-group 50" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--block-size", "48"], "--block-size 48: the vLLM CPU backend needs a multiple of 32"),
     (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
@@ -365,7 +451,8 @@ def test_grid_point_longer_than_max_model_len_is_a_usage_error(tmp_path, capsys)
 def test_help_describes_the_command():
     r = subprocess.run([sys.executable, "-m", "proserve.profiler", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0
-    for flag in ("--model", "--device", "--grid", "--repeats", "--holdout", "--plots", "--samples", "--from-samples"):
+    for flag in ("--model", "--device", "--grid", "--repeats", "--holdout", "--plots", "--samples", "--from-samples",
+                 "--from-steps", "--skip-steps"):
         assert flag in r.stdout
     assert "Eq. 5-7" in r.stdout
 
