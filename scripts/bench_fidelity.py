@@ -68,7 +68,10 @@ class Cluster:
     """``scripts/launch_cluster.sh`` for one deployment and local policy; stopped on exit."""
 
     def __init__(self, deployment: str, policy: str, run_dir: Path, args, classes_file: Path, w_p: float,
-                 dispatcher_args: tuple = ()):
+                 dispatcher_args: tuple = (), policy_params: tuple = (), record_steps: bool = True):
+        """``policy_params``: ``KEY=VALUE`` items for the prefill (co-located) worker's
+        ``--policy-param``; ``record_steps=False``: no step records (writing them costs the
+        plugin engine time, docs/results.md §4.1), as engine_policies' ``--no-record-steps``."""
         self.run_dir = run_dir
         self.url = f"http://127.0.0.1:{args.port}"
         self.worker_urls = [f"http://127.0.0.1:{args.port + 100}"]
@@ -84,7 +87,9 @@ class Cluster:
         common = (f"--model {args.model} --load-format dummy --classes {classes_file} --w-p {w_p!r} "
                   f"--latency-model {args.latency_model} --block-size {args.block_size} "
                   f"--max-model-len {args.max_model_len}")
-        pargs = f"--local-policy {policy} {common} --record-steps {run_dir}/steps-prefill.jsonl"
+        pargs = f"--local-policy {policy} {common}" + "".join(f" --policy-param {p}" for p in policy_params)
+        if record_steps:
+            pargs += f" --record-steps {run_dir}/steps-prefill.jsonl"
         cmd = ["bash", str(ROOT / "scripts/launch_cluster.sh"), "-d", str(run_dir), "-p", str(args.port),
                "--keys", str(KEYS_FILE.resolve()),
                "--ports", f"{args.port + 100},{args.port + 200},{args.port + 300}", "-P", "1",
@@ -93,8 +98,9 @@ class Cluster:
             cmd += ["--colocated"]
         else:
             # 'stock': vLLM's own decode scheduling (as 'off'), with its steps timed and recorded
-            dargs = (f"{common} --local-policy stock --record-steps {run_dir}/steps-decode.jsonl "
-                     f"-- --no-enable-prefix-caching")
+            dargs = (f"{common} --local-policy stock"
+                     + (f" --record-steps {run_dir}/steps-decode.jsonl" if record_steps else "")
+                     + " -- --no-enable-prefix-caching")
             cmd += ["-D", "1", "--decode-args", dargs]
             self.worker_urls.append(f"http://127.0.0.1:{args.port + 200}")
         cmd += ["--prefill-args", pargs + " -- --no-enable-prefix-caching",
