@@ -369,6 +369,24 @@ def engine_command(spec: PolicySpec, port: int, args, classes_file: Path, w_p: f
     return cmd + ["--", "--no-enable-prefix-caching", *spec.engine_vllm_args()]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float, what: str) -> float:
+    """Poll ``url``/health until it answers 200; seconds waited. Raises with the tail of
+    ``log_path`` if ``proc`` exits first, or TimeoutError after ``timeout`` s."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log_path}:\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{what} not healthy in {timeout:g} s; see {log_path}")
+
+
 class Engine:
     """One ``python -m proserve.prefill --colocated`` worker for one policy."""
 
@@ -390,19 +408,7 @@ class Engine:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, **group)
 
     def wait_healthy(self, timeout: float = 300) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited ({self.proc.returncode}); see {self.log_path}:\n"
-                                   + self.log_path.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"engine not healthy in {timeout} s; see {self.log_path}")
+        return wait_healthy(self.proc, self.url, self.log_path, timeout, "engine")
 
     def drain(self, timeout: float = 180) -> float:
         """Wait until the engine holds no running or waiting request; seconds waited."""

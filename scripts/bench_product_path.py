@@ -87,6 +87,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_fidelity as bf  # noqa: E402
 from proserve.bench import loadgen as lg  # noqa: E402
+from proserve.bench import engine_policies as ep  # noqa: E402
 from proserve.bench.engine_policies import parse_metrics  # noqa: E402
 from proserve.bench.scaled_model import make_scaled_model  # noqa: E402
 from proserve.scheduler.request import ConfigError  # noqa: E402
@@ -294,19 +295,7 @@ class StockServer:
                                      env={**os.environ, **env}, **group)
 
     def wait_healthy(self, timeout: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"stock vLLM exited ({self.proc.returncode}); see {self.log_path}:\n"
-                                   + self.log_path.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"stock vLLM not healthy in {timeout:g} s; see {self.log_path}")
+        return ep.wait_healthy(self.proc, self.url, self.log_path, timeout, "stock vLLM")
 
     def busy(self) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:

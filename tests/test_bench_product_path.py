@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -264,3 +265,28 @@ def test_stock_server_stop_leaves_no_group_member_behind(tmp_path):
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_wait_healthy_reports_an_exited_server_and_a_healthy_one(tmp_path):
+    from proserve.bench import engine_policies as ep
+    log = tmp_path / "server.log"
+    log.write_text("boom: the reason it died\n")
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(RuntimeError, match=r"(?s)stock vLLM exited \(3\).*boom: the reason it died"):
+        ep.wait_healthy(dead, "http://127.0.0.1:9", log, 5, "stock vLLM")
+    srv = subprocess.Popen([sys.executable, "-c",
+                            "import http.server, sys\n"
+                            "class H(http.server.BaseHTTPRequestHandler):\n"
+                            "    def do_GET(self):\n"
+                            "        self.send_response(200); self.end_headers()\n"
+                            "    def log_message(self, *a): pass\n"
+                            "s = http.server.HTTPServer(('127.0.0.1', 0), H)\n"
+                            "print(s.server_port, flush=True)\n"
+                            "s.serve_forever()\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(srv.stdout.readline())
+        assert ep.wait_healthy(srv, f"http://127.0.0.1:{port}", log, 10, "x") < 10
+    finally:
+        srv.kill()
+        srv.wait()
