@@ -387,48 +387,108 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: floa
     raise TimeoutError(f"{what} not healthy in {timeout:g} s; see {log_path}")
 
 
-class Engine:
+def wait_idle(busy, timeout: float, what: str) -> float:
+    """Poll ``busy()`` (requests running + waiting) every 0.5 s until it is 0; seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if busy() == 0:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} did not drain in {timeout:g} s")
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie (a zombie has
+    exited; one reparented to a PID 1 that does not reap stays one). Reads /proc on
+    Linux; elsewhere, whether the group exists at all."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()    # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+
+class ServerProcess:
+    """One vLLM API server (``cmd``, with ``--port``) in its own process group but this
+    session: with the kernel's autogroup scheduling (sched_autogroup_enabled=1 here) an
+    engine in another session is another CPU group, and the client sharing a core with the
+    API server then stalled for up to 0.3-0.6 s at a time (measured: send lag p99 0.15-0.58
+    s, event-loop stalls up to 0.3 s; none with the engine in this session). :meth:`stop`
+    ends the whole group, the engine-core children included."""
+
+    what = "server"
+
+    def __init__(self, cmd: list[str], log_path: Path, env: dict | None = None):
+        self.cmd, self.log_path = cmd, log_path
+        self.url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=None if env is None else {**os.environ, **env}, **group)
+
+    def wait_healthy(self, timeout: float = 300) -> float:
+        return wait_healthy(self.proc, self.url, self.log_path, timeout, self.what)
+
+    def busy(self) -> float:
+        m = get_metrics(self.url)
+        return m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
+
+    def drain(self, timeout: float = 180) -> float:
+        """Wait until the server holds no running or waiting request; seconds waited."""
+        return wait_idle(self.busy, timeout, self.what)
+
+    def stop(self, grace: float = 60.0) -> None:
+        """SIGTERM to the process group, up to ``grace`` s for the group to empty, then
+        SIGKILL to whatever is left of it."""
+        try:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                self.proc.poll()                      # reap the leader so the group can empty
+                if not group_alive(self.proc.pid):
+                    return
+                time.sleep(0.2)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            self._log.close()
+
+
+class Engine(ServerProcess):
     """One ``python -m proserve.prefill --colocated`` worker for one policy."""
 
+    what = "engine"
+
     def __init__(self, spec: PolicySpec, port: int, out: Path, args, classes_file: Path, w_p: float):
-        self.url = f"http://127.0.0.1:{port}"
         out.mkdir(parents=True, exist_ok=True)
         self.steps_path = out / "steps.jsonl"
         if self.steps_path.exists():
             self.steps_path.unlink()
-        self.cmd = cmd = engine_command(spec, port, args, classes_file, w_p, self.steps_path)
-        self.log_path = out / "worker.log"
-        self._log = open(self.log_path, "w")
-        # its own process group (so stop() reaches every engine process) but this session:
-        # with the kernel's autogroup scheduling (sched_autogroup_enabled=1 here) an engine in
-        # another session is another CPU group, and the client sharing a core with the API
-        # server then stalled for up to 0.3-0.6 s at a time (measured: send lag p99 0.15-0.58 s,
-        # event-loop stalls up to 0.3 s; none with the engine in this session)
-        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, **group)
-
-    def wait_healthy(self, timeout: float = 300) -> float:
-        return wait_healthy(self.proc, self.url, self.log_path, timeout, "engine")
-
-    def drain(self, timeout: float = 180) -> float:
-        """Wait until the engine holds no running or waiting request; seconds waited."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            m = get_metrics(self.url)
-            if m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0:
-                return time.monotonic() - t0
-            time.sleep(0.5)
-        raise TimeoutError(f"engine did not drain in {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+        super().__init__(engine_command(spec, port, args, classes_file, w_p, self.steps_path), out / "worker.log")
 
 
 async def _poll_gauges(url: str, stop: asyncio.Event, samples: list, period: float = 1.0) -> None:

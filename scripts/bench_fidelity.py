@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from proserve.bench import loadgen as lg  # noqa: E402
-from proserve.bench.engine_policies import parse_metrics  # noqa: E402
+from proserve.bench.engine_policies import parse_metrics, wait_idle  # noqa: E402
 from proserve.bench.scaled_model import make_scaled_model  # noqa: E402
 from proserve.bench.loadgen.report import load_records  # noqa: E402
 from proserve.bench.loadgen.scoring import to_request  # noqa: E402
@@ -123,12 +123,7 @@ class Cluster:
         return n
 
     def drain(self, timeout: float = 300) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.busy() == 0:
-                return time.monotonic() - t0
-            time.sleep(0.5)
-        raise TimeoutError(f"cluster did not drain in {timeout} s")
+        return wait_idle(self.busy, timeout, "cluster")
 
     def kv_blocks(self) -> int:
         """KV blocks of the prefill (or co-located) worker, from vLLM's cache_config_info gauge."""

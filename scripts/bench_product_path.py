@@ -79,7 +79,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +87,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_fidelity as bf  # noqa: E402
 from proserve.bench import loadgen as lg  # noqa: E402
 from proserve.bench import engine_policies as ep  # noqa: E402
-from proserve.bench.engine_policies import parse_metrics  # noqa: E402
 from proserve.bench.scaled_model import make_scaled_model  # noqa: E402
 from proserve.scheduler.request import ConfigError  # noqa: E402
 
@@ -216,30 +214,6 @@ def stock_server_cmd(args, policy: str, port: int) -> list[str]:
             "--port", str(port), "--host", "127.0.0.1"]
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is not a zombie (a zombie has
-    exited; one reparented to a PID 1 that does not reap stays one). Reads /proc on
-    Linux; elsewhere, whether the group exists at all."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()    # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
 def stock_server_env(ncpu: int | None = None) -> dict[str, str]:
     """What the stock server's environment adds: 1 GiB of KV (the ProServe worker's default)
     and, on a 2-core host, the model compute on core 0, pinned as
@@ -281,59 +255,13 @@ def port_free(port: int) -> bool:
     return True
 
 
-class StockServer:
-    """One stock vLLM API server in its own process group (this session: see
-    engine_policies.Engine on autogroup scheduling); :meth:`stop` ends the group."""
+class StockServer(ep.ServerProcess):
+    """One stock vLLM API server (:class:`proserve.bench.engine_policies.ServerProcess`)."""
+
+    what = "stock vLLM"
 
     def __init__(self, cmd: list[str], env: dict, log_path: Path):
-        self.cmd, self.log_path = cmd, log_path
-        self.url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "w")
-        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **env}, **group)
-
-    def wait_healthy(self, timeout: float) -> float:
-        return ep.wait_healthy(self.proc, self.url, self.log_path, timeout, "stock vLLM")
-
-    def busy(self) -> float:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            m = parse_metrics(r.read().decode())
-        return m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
-
-    def drain(self, timeout: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.busy() == 0:
-                return time.monotonic() - t0
-            time.sleep(0.5)
-        raise TimeoutError(f"stock vLLM did not drain in {timeout:g} s")
-
-    def stop(self, grace: float = 60.0) -> None:
-        """SIGTERM to the server's process group, up to ``grace`` s for the group to empty
-        (the engine-core children included), then SIGKILL to whatever is left of it."""
-        try:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                return
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                self.proc.poll()                      # reap the leader so the group can empty
-                if not group_alive(self.proc.pid):
-                    return
-                time.sleep(0.2)
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        finally:
-            self._log.close()
+        super().__init__(cmd, log_path, env)
 
 
 # --- ProServe ------------------------------------------------------------------------------

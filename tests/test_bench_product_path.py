@@ -20,6 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench_product_path as bpp  # noqa: E402
 
+from proserve.bench import engine_policies as ep  # noqa: E402
+
 from proserve.bench import loadgen as lg  # noqa: E402
 from proserve.scheduler.request import ConfigError, Request  # noqa: E402
 
@@ -253,13 +255,13 @@ def test_stock_server_stop_leaves_no_group_member_behind(tmp_path):
         time.sleep(0.05)
     child = int(pidf.read_text())
     try:
-        assert bpp.group_alive(pgid)
+        assert ep.group_alive(pgid)
         srv.stop(grace=1.0)
         for _ in range(50):             # SIGKILL is asynchronous
-            if not bpp.group_alive(pgid):
+            if not ep.group_alive(pgid):
                 break
             time.sleep(0.05)
-        assert not bpp.group_alive(pgid)
+        assert not ep.group_alive(pgid)
     finally:
         try:
             os.kill(child, signal.SIGKILL)
@@ -268,7 +270,6 @@ def test_stock_server_stop_leaves_no_group_member_behind(tmp_path):
 
 
 def test_wait_healthy_reports_an_exited_server_and_a_healthy_one(tmp_path):
-    from proserve.bench import engine_policies as ep
     log = tmp_path / "server.log"
     log.write_text("boom: the reason it died\n")
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

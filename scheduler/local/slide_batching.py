@@ -191,17 +191,13 @@ class SlideBatching(LocalPolicy):
         ``decode_first="all"``, every decode goes first (URGENT ones by density, then the
         NORMAL ones by remain), then the prefills in Algorithm 1's order."""
         idx = range(len(remains))
-        if Q is not None and self.decode_first == "all":
-            base = self._order(remains, dens, urgent)
-            is_decode = [r.prefilled >= r.prefill_len for r in Q]
-            return [i for i in base if is_decode[i]] + [i for i in base if not is_decode[i]]
         up = sorted((i for i in idx if urgent[i]), key=dens.__getitem__, reverse=True)  # stable, as -density
-        if Q is None:
-            key = remains.__getitem__
-        else:
-            key = lambda i: (Q[i].prefilled < Q[i].prefill_len, remains[i])
-        normal = sorted((i for i in idx if not urgent[i]), key=key)
-        return up + normal
+        normal = sorted((i for i in idx if not urgent[i]), key=remains.__getitem__)
+        if Q is None or not self.decode_first:
+            return up + normal
+        decode = [r.prefilled >= r.prefill_len for r in Q]
+        split = lambda part: [i for i in part if decode[i]] + [i for i in part if not decode[i]]
+        return split(up + normal) if self.decode_first == "all" else up + split(normal)
 
     def _paced(self, Q, remains: list[float], now: float) -> list[float]:
         """The remains that set the budget (line 6) and order the NORMAL requests (line 13).
@@ -242,7 +238,7 @@ class SlideBatching(LocalPolicy):
             urgent = self._mark_urgent(execs, remains, t_budget, view.mode)
         else:                                                  # the ablations of §5.4
             urgent = [self.ordering == "density"] * len(Q)
-        order = self._order(paced, dens, urgent, Q if self.decode_first else None)
+        order = self._order(paced, dens, urgent, Q)
         n_urgent = sum(urgent)
         n_normal = len(Q) - n_urgent
         b.plan.terms = StepTerms(Q, execs, remains, dens, urgent)
