@@ -485,6 +485,7 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"age_limit": 0.0}, "age_limit"),
     ("slide_batching", {"pace": "mean"}, "pace"),
     ("slide_batching", {"budget_cap": 0.0}, "budget_cap"),
+    ("slide_batching", {"skip_late_prompts": "yes"}, "skip_late_prompts"),
     ("slide_batching", {"decode_first": "yes"}, "decode_first"),
     ("slide_batching", {"decode_first": 1}, "decode_first"),
     ("slide_batching", {"age_share": 0.0}, "age_share"),
@@ -697,6 +698,31 @@ def test_slide_decode_first_all_puts_every_decode_before_urgent_prefills():
     every = policy("slide_batching", budget_cap=1.0, decode_first="all").schedule(view([p], [d], now=0.2))
     assert decs(every) == ["d"] and chunks(every) == [("p", 89)]
     assert urgent(every) == urgent(mark)                           # the marking is unchanged
+
+
+def test_slide_skip_late_prompts_lets_a_prompt_past_hope_take_long_steps():
+    # now 0.2: p, a 500-token prompt that arrived at -0.6 (first-token deadline 0.4, remain 0.2;
+    # exec 0.5 + t_c 0.01 > 0.2: late whatever the step); d, a decode with Eq. 3 remain 1.1
+    p, d = wait("p", -0.6, 500), dec("d", 0.0, emitted=3)
+    as_written = policy("slide_batching", budget_cap=4.0).schedule(view([p], [d], now=0.2))
+    assert as_written.info.t_budget == pytest.approx(0.2)           # line 6: p's own remain
+    assert chunks(as_written) == [("p", 190)] and decs(as_written) == []
+    # skipped: d's remain (1.1) bounds it, then the cap 4·η = 0.4; p (URGENT) takes 0.39 s
+    skip = policy("slide_batching", budget_cap=4.0, skip_late_prompts=True).schedule(view([p], [d], now=0.2))
+    assert skip.info.t_budget == pytest.approx(0.4)
+    assert chunks(skip) == [("p", 390)] and urgent(skip) == urgent(as_written) == {"p": True, "d": False}
+    # a prompt that can still make its deadline bounds it: q, 50 tokens due at 1.0 (remain 0.8)
+    q = wait("q", 0.0, 50)
+    both = policy("slide_batching", budget_cap=10.0, skip_late_prompts=True).schedule(view([p, q], [d], now=0.2))
+    assert both.info.t_budget == pytest.approx(0.8)
+    # only late prompts queued: the cap, or without a cap line 6 as written
+    alone = {"skip_late_prompts": True}
+    assert policy("slide_batching", budget_cap=4.0, **alone).schedule(
+        view([p], now=0.2)).info.t_budget == pytest.approx(0.4)
+    assert policy("slide_batching", **alone).schedule(view([p], now=0.2)).info.t_budget == pytest.approx(0.2)
+    # a late decode still bounds it: d at now 1.5 is 0.2 past its deadline -> the floor η
+    assert policy("slide_batching", budget_cap=4.0, **alone).schedule(
+        view([], [d], now=1.5)).info.t_budget == pytest.approx(0.1)
 
 
 def _starving_queue():
