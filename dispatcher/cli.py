@@ -12,7 +12,7 @@ from proserve.scheduler.registry import global_names
 from proserve.scheduler.request import ConfigError
 from proserve.scheduler.tdg import GainConfig
 
-from .config import DecodeSpec, DispatcherConfig, PrefillSpec, load_config, load_keys, read_file
+from .config import DecodeSpec, DispatcherConfig, PrefillSpec, check_local_policy, load_config, load_keys, read_file
 
 EPILOG = """\
 examples:
@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without it access is open (a warning is logged)")
     ap.add_argument("--host", help="bind address (default 127.0.0.1; expose deliberately)")
     ap.add_argument("--port", type=int, help="port (default 8000)")
-    ap.add_argument("--prefill", action="append", default=[], metavar="URL[,latency_model=PATH]",
-                    help="a prefill (or co-located) worker; repeatable")
+    ap.add_argument("--prefill", action="append", default=[],
+                    metavar="URL[,latency_model=PATH][,local_policy=NAME]",
+                    help="a prefill (or co-located) worker; repeatable. local_policy: the worker's --local-policy "
+                         "(default slide_batching), whose queue order GoRouting's estimate assumes")
     ap.add_argument("--decode", action="append", default=[], metavar="URL=KV_ADDR",
                     help="a decode worker and the ZeroMQ address it receives KV on (its --kv-listen); repeatable")
     ap.add_argument("--deployment", choices=["disaggregated", "colocated"],
@@ -66,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-policy", help=f"routing policy (default go_routing); one of: "
                                             f"{', '.join(global_names())}")
     ap.add_argument("--global-param", action="append", default=[], metavar="KEY=VALUE",
-                    help="keyword argument of the routing policy, e.g. alpha=0.9 (VALUE parsed as JSON)")
+                    help="keyword argument of the routing policy, e.g. alpha=0.9, or order=deadline for "
+                         "GoRouting with the paper's estimate (VALUE parsed as JSON)")
     ap.add_argument("--latency-model", help="latency-model JSON for instances that name none "
                                             "(default: profiler/models/tiny-llama-cpu.json)")
     ap.add_argument("--classes", help="JSON file: [{\"name\", \"weight\", \"ttft_slo\", \"tpot_slo\"[, "
@@ -148,10 +151,11 @@ def config_from_args(args) -> DispatcherConfig:
     for item in args.prefill:
         url, _, rest = item.partition(",")
         opts = parse_key_values([x for x in rest.split(",") if x], "--prefill") if rest else {}
-        unknown = set(opts) - {"latency_model"}
+        unknown = set(opts) - {"latency_model", "local_policy"}
         if unknown:
             raise ConfigError(f"--prefill {item!r}: unknown option(s) {', '.join(sorted(unknown))}")
-        cfg.prefill.append(PrefillSpec(url, opts.get("latency_model")))
+        lp = check_local_policy(opts.get("local_policy", PrefillSpec.local_policy), f"--prefill {item!r}: local_policy")
+        cfg.prefill.append(PrefillSpec(url, opts.get("latency_model"), local_policy=lp))
     for item in args.decode:
         url, sep, kv = item.partition("=")
         if not sep:

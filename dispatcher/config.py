@@ -37,6 +37,8 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       [[prefill]]                   # prefill (or co-located) instances
       url = "http://127.0.0.1:8100"
       latency_model = "profiler/models/tiny-llama-cpu.json"   # optional; default: the bundled profile
+      local_policy = "slide_batching"   # optional: the worker's --local-policy (the worker's default
+                                        # shown); GoRouting's estimate assumes the order it serves in
       [[decode]]
       url = "http://127.0.0.1:8200"
       kv_addr = "tcp://127.0.0.1:15600"   # where this decode worker receives KV (its --kv-listen)
@@ -76,6 +78,7 @@ from urllib.parse import urlparse
 from proserve.scheduler import validate
 from proserve.scheduler.admission import AdmissionConfig
 from proserve.scheduler.config import classes_from_dicts, default_classes, overload_actions_from_dicts
+from proserve.scheduler.registry import local_names
 from proserve.scheduler.request import ConfigError, PriorityClass
 from proserve.scheduler.routing.base import COLOCATED, DEPLOYMENTS, DISAGGREGATED
 from proserve.scheduler.tdg import GainConfig
@@ -86,11 +89,16 @@ MAX_SLO_MS = 3_600_000.0
 WORKER_KEY_ENV = "PROSERVE_WORKER_API_KEY"
 
 
+#: a worker's --local-policy values that are not scheduler policies: vLLM's own scheduling
+LOCAL_POLICIES_OUTSIDE_REGISTRY = ("stock", "off")
+
+
 @dataclass
 class PrefillSpec:
     url: str
     latency_model: str | None = None
     name: str = ""
+    local_policy: str = "slide_batching"   # what the worker runs (its --local-policy default)
 
 
 @dataclass
@@ -236,6 +244,14 @@ def check_url(url: Any, where: str) -> str:
     return url
 
 
+def check_local_policy(name: Any, where: str) -> str:
+    """A prefill worker's ``--local-policy``: a scheduler policy, or vLLM's own scheduling."""
+    if not isinstance(name, str) or (name not in LOCAL_POLICIES_OUTSIDE_REGISTRY and name not in local_names()):
+        raise ConfigError(f"{where}: expected one of "
+                          f"{', '.join(local_names() + list(LOCAL_POLICIES_OUTSIDE_REGISTRY))}, got {name!r}")
+    return name
+
+
 def check_kv_addr(addr: Any, where: str) -> str:
     if not isinstance(addr, str) or not (addr.startswith("tcp://") or addr.startswith("ipc://")):
         raise ConfigError(f"{where}: must be a ZeroMQ address like tcp://127.0.0.1:15600, got {addr!r}")
@@ -324,13 +340,14 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
     for i, p in enumerate(_list(data, "prefill", where)):
         if not isinstance(p, dict) or "url" not in p:
             raise ConfigError(f"{where}: prefill[{i}] needs a url")
-        unknown = set(p) - {"url", "latency_model", "name"}
+        unknown = set(p) - {"url", "latency_model", "name", "local_policy"}
         if unknown:
             raise ConfigError(f"{where}: prefill[{i}]: unknown key(s) {', '.join(sorted(unknown))}")
         lm = p.get("latency_model")
         if lm is not None and base is not None and not Path(lm).is_absolute():
             lm = str((base / lm).resolve())
-        cfg.prefill.append(PrefillSpec(p["url"], lm, str(p.get("name", ""))))
+        lp = check_local_policy(p.get("local_policy", PrefillSpec.local_policy), f"{where}: prefill[{i}].local_policy")
+        cfg.prefill.append(PrefillSpec(p["url"], lm, str(p.get("name", "")), lp))
     for i, x in enumerate(_list(data, "decode", where)):
         if not isinstance(x, dict) or "url" not in x or "kv_addr" not in x:
             raise ConfigError(f"{where}: decode[{i}] needs url and kv_addr")

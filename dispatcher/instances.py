@@ -49,6 +49,7 @@ import aiohttp
 from proserve.decode.status import StatusError, free_kv_blocks
 from proserve.profiler import modelfile
 from proserve.scheduler.estimator import Estimator, OnlineCorrector
+from proserve.scheduler.registry import router_order
 from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance
 
 from .config import WORKER_KEY_ENV, DispatcherConfig, PrefillSpec
@@ -166,7 +167,7 @@ class Registry:
         self.prefill: list[PrefillWorker] = []
         for i, s in enumerate(cfg.prefill):
             w = PrefillWorker("prefill", s.name, s.url.rstrip("/"))
-            w.state = PrefillInstance(i, _estimator(s))
+            w.state = PrefillInstance(i, _estimator(s), order=router_order(s.local_policy))
             w.state.healthy = False
             self.prefill.append(w)
         self.decode: list[DecodeWorker] = []

@@ -170,7 +170,8 @@ class Dispatcher:
         self.qmap = self.router_host.qmap
         # admission control: the simulator's rule, on the router's estimate (None: off)
         adm = cfg.admission
-        self.admission = Admission(adm, cfg.classes, cfg.gain, cfg.deployment, getattr(self.policy, "eta", None)) \
+        self.admission = Admission(adm, cfg.classes, cfg.gain, cfg.deployment, getattr(self.policy, "eta", None),
+                                   getattr(self.policy, "order", "deadline")) \
             if adm.active else None
         self.metrics = Metrics()
         self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)

@@ -58,7 +58,7 @@ from typing import Iterable, Mapping, Sequence
 from . import validate
 from .request import ConfigError, PriorityClass, Request
 from .routing.base import PrefillInstance
-from .routing.estimates import evaluate, queued_work, resolve_eta
+from .routing.estimates import DEADLINE, evaluate, order_of, queued_work, resolve_eta, resolve_order
 from .tdg import GainConfig
 
 #: what a class does when no instance can meet a request's TTFT SLO
@@ -158,18 +158,20 @@ class AdmissionDecision:
 class Admission:
     """The admission rule of one body (the dispatcher, or a simulated cluster).
 
-    ``gain``, ``deployment`` and ``eta`` are the router's (``eta``: the co-located
-    t_budget floor, default the tightest class TPOT SLO, as GoRouting's), so that the
-    test reads the estimate the router reads.
+    ``gain``, ``deployment``, ``eta`` and ``order`` are the router's (``eta``: the co-located
+    t_budget floor, default the tightest class TPOT SLO, as GoRouting's; ``order``: the local
+    queue order its ESTIMATEGAIN assumes, default the paper's), so that the test reads the
+    estimate the router reads.
     """
 
     def __init__(self, config: AdmissionConfig, classes: Mapping[str, PriorityClass], gain: GainConfig,
-                 deployment: str, eta: float | None = None):
+                 deployment: str, eta: float | None = None, order: str = DEADLINE):
         self.config = config.check(classes)
         self.classes = dict(classes)
         self.gain = gain
         self.deployment = deployment
         self.eta = resolve_eta(eta, self.classes, "admission")
+        self.order = resolve_order(order, "admission")
 
     # -- caps --------------------------------------------------------------------------------
     def has_room(self, p: PrefillInstance) -> bool:
@@ -193,7 +195,8 @@ class Admission:
         cls = self.classes.get(asked)
         probe = req
         while True:
-            ests = [evaluate(p, probe, now, self.gain, self.deployment, self.eta) for p in room]
+            ests = [evaluate(p, probe, now, self.gain, self.deployment, self.eta,
+                             order=order_of(self.order, p)) for p in room]
             delta_max = max(e.delta for e in ests)
             moved = cls is not None and cls.name != asked
             if delta_max > 0:                                   # Alg. 2 line 9: some instance meets it

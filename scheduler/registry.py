@@ -62,6 +62,14 @@ def local_names(clairvoyant: bool = False) -> list[str]:
     return sorted(n for n in _LOCAL if clairvoyant or not is_clairvoyant(n))
 
 
+def router_order(name: str) -> str:
+    """The queue order GoRouting's schedule-aware estimate assumes for an instance running
+    local policy ``name`` (``LocalPolicy.router_order``); "deadline", the paper's estimate,
+    for a name outside the registry (vLLM's own scheduling)."""
+    cls = _LOCAL.get(name)
+    return getattr(cls, "router_order", "deadline") if cls is not None else "deadline"
+
+
 def global_names() -> list[str]:
     return sorted(_GLOBAL)
 

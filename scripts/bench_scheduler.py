@@ -95,21 +95,24 @@ def bench_local(sizes, repeat: int) -> None:
 
 def bench_global(sizes, per_queue: int, routes: int) -> None:
     print(f"\nGoRouting decision time per request (median of {routes} routes, one queue add per route), "
-          f"{per_queue} queued per instance, target <= 1 ms at 32 instances")
-    print(f"{'instances':>9} {'go_routing':>12} {'min_load':>10} {'ratio':>6}")
+          f"{per_queue} queued per instance, target <= 1 ms at 32 instances; instances running SlideBatching "
+          "(GoRouting's schedule-aware estimate, the default) beside the paper's estimate (order=deadline)")
+    print(f"{'instances':>9} {'go_routing':>12} {'paper est.':>10} {'min_load':>10} {'ratio':>6}")
+    runs = (("go_routing", "slide", {}), ("paper", "deadline", {"order": "deadline"}), ("min_load", "slide", {}))
     for n_inst in sizes:
         times = {}
-        for name in ("go_routing", "min_load"):
+        for label, order, params in runs:
+            name = "min_load" if label == "min_load" else "go_routing"
             rng = random.Random(1)
             now = 1000.0
-            insts = [PrefillInstance(i, Estimator(MODEL)) for i in range(n_inst)]
+            insts = [PrefillInstance(i, Estimator(MODEL), order=order) for i in range(n_inst)]
             qmap = PrefillQueueMap(insts)
             for p in insts:
                 for k in range(per_queue):
                     w = 2.0 if rng.random() < 0.5 else 1.0
                     qmap.add(p.id, Request(f"p{p.id}-{k}", "x", w, 1.0, 0.1, now - rng.uniform(0, 2),
                                            rng.randint(16, 4096), 100), now - rng.uniform(0, 0.1))
-            pol = make_global(name, gain=GAIN)
+            pol = make_global(name, gain=GAIN, **params)
             ts = []
             for j in range(routes):
                 w = 2.0 if rng.random() < 0.5 else 1.0
@@ -120,10 +123,10 @@ def bench_global(sizes, per_queue: int, routes: int) -> None:
                 qmap.add(p.id, req, now)       # the queue changes as in a real run
                 qmap.remove(p.id, p.queue[0], now)
                 now += 0.01
-            times[name] = statistics.median(ts)
-        g, m = times["go_routing"], times["min_load"]
+            times[label] = statistics.median(ts)
+        g, a, m = times["go_routing"], times["paper"], times["min_load"]
         verdict = ("  PASS" if g <= 1e-3 else "  FAIL") if n_inst == 32 else ""
-        print(f"{n_inst:>9} {g * 1e3:>9.3f} ms {m * 1e3:>7.3f} ms {g / m:>6.1f}{verdict}")
+        print(f"{n_inst:>9} {g * 1e3:>9.3f} ms {a * 1e3:>7.3f} ms {m * 1e3:>7.3f} ms {g / m:>6.1f}{verdict}")
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -213,7 +213,8 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     p.add_argument("--local-param", action="append", metavar="KEY=VALUE",
                    help="local policy parameter, e.g. gamma=1.5 eta=0.05 phi=c (repeatable)")
     p.add_argument("--global-param", action="append", metavar="KEY=VALUE",
-                   help="global policy parameter, e.g. alpha=0.9 mu=0.2 lam=0.8 (repeatable)")
+                   help="global policy parameter, e.g. alpha=0.9 mu=0.2 lam=0.8, or order=deadline for "
+                        "GoRouting with the paper's estimate (repeatable)")
     p.add_argument("--out", help="output directory for JSON and plots")
 
 

@@ -222,13 +222,14 @@ class Simulator:
                                                np.random.default_rng(rng.integers(1 << 62)), config.noise_cv))
         self.router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
                                   deployment=dep, seed=config.seed, **config.global_params)
-        self.p_states = [PrefillInstance(i.id, i.est) for i in self.front]
+        self.p_states = [PrefillInstance(i.id, i.est, order=type(i.policy).router_order) for i in self.front]
         self.d_states = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
         # the global side: PrefillQueueMap updates and router notifications, from events
         self.router_host = RouterHost(self.router, self.p_states)
         # admission control: the dispatcher's rule (scheduler.admission) on the router's estimate
         adm = config.admission.check(self.classes, "simulator")
-        self.admission = Admission(adm, self.classes, self.gain, dep, getattr(self.router, "eta", None)) \
+        self.admission = Admission(adm, self.classes, self.gain, dep, getattr(self.router, "eta", None),
+                                   getattr(self.router, "order", "deadline")) \
             if adm.active else None
         self.concurrency = ConcurrencyCount(config.max_concurrent, config.max_concurrent_per_class) \
             if config.max_concurrent is not None or config.max_concurrent_per_class is not None else None

@@ -35,13 +35,23 @@ def body(**kw):
     return {"prompt": PROMPT, "max_tokens": 3, **kw}
 
 
-def backlog(h, inst: int, seconds: float, rid: str = "seed") -> None:
-    """A queued request of ``seconds`` of prefill on prefill instance ``inst`` (never sent)."""
+def backlog(h, inst: int, seconds: float, tag: str = "") -> list[str]:
+    """``seconds`` of queued prefill on prefill instance ``inst`` (never sent): high-priority
+    requests of one token (0.011 s each, one per batch), as dense as any request these tests
+    send, so that no queue order GoRouting's estimate may assume (SlideBatching's, by density,
+    included) lets a new request overtake them. Their ids ("seed.<tag>0", ...)."""
     w = h.d.registry.prefill[inst]
     w.state.estimator = Estimator(MODEL)
     now = time.time()
-    seed = Request(rid, "high", 2.0, 1.0, 0.1, now - 0.01, round((seconds - 0.01) * 1000))
-    h.d.router_host.dispatched(seed, w.state.id, now)
+    ids = [f"seed.{tag}{k}" for k in range(max(1, round(seconds / 0.011)))]
+    for rid in ids:
+        h.d.router_host.dispatched(Request(rid, "high", 2.0, 1.0, 0.1, now - 0.01, 1), w.state.id, now)
+    return ids
+
+
+def seeds_only(queue) -> bool:
+    """The queue holds nothing but :func:`backlog`'s requests (and holds some)."""
+    return bool(queue) and all(q.id.startswith("seed.") for q in queue)
 
 
 def models(h) -> None:
@@ -69,7 +79,7 @@ def test_reject_answers_429_before_any_worker_sees_the_request(stream):
             assert err["type"] == "rate_limit_error" and err["code"] == "slo_unreachable" and err["param"] is None
             assert "TTFT SLO" in err["message"] and "retry after" in err["message"]
             # answered before any prefill work: no worker got it, the queue map never held it
-            assert sent(h) == 0 and [q.id for q in h.d.registry.prefill[0].state.queue] == ["seed"]
+            assert sent(h) == 0 and seeds_only(h.d.registry.prefill[0].state.queue)
             assert finished == []       # nor did the router hear of it
             m = await h.metrics()
             assert metric(m, "proserve:dispatcher_admission_total", priority="low", decision="reject",
@@ -146,7 +156,7 @@ def test_queue_caps_route_around_full_instances_and_refuse_when_all_are_full():
     async def go():
         async with harness(n_prefill=2, max_queued_requests=1) as h:
             models(h)
-            backlog(h, 0, 0.5, "a")      # instance 0 is at its cap of one queued request
+            backlog(h, 0, 0.5, "a")      # instance 0 is past its cap of one queued request
             r = await h.post("/v1/completions", body())
             assert r.status_code == 200 and len(h.prefills[1].received) == 1 and h.prefills[0].received == []
             backlog(h, 1, 0.5, "b")      # now both are
@@ -214,14 +224,19 @@ def test_dispatcher_and_simulator_decide_alike_from_the_same_state(deployment):
     rng = random.Random(7)
     seen = set()
     for case in range(80):
+        # the workers' policy sets the queue order GoRouting's estimate assumes (the dispatcher
+        # reads it from its config, the simulator from its instances): both orders, alike
+        local = ("slide_batching", "only_deadline")[case % 2]
         cfg = DispatcherConfig(deployment=deployment, classes=CLASSES3, gain=gain, on_overload=dict(adm.on_overload),
                                max_queued_requests=adm.max_queued_requests,
-                               prefill=[PrefillSpec(f"http://127.0.0.1:{8100 + i}") for i in range(3)],
+                               prefill=[PrefillSpec(f"http://127.0.0.1:{8100 + i}", local_policy=local)
+                                        for i in range(3)],
                                decode=[] if deployment == "colocated" else
                                [DecodeSpec("http://127.0.0.1:8200", "tcp://127.0.0.1:16000")])
         d = Dispatcher(cfg)
-        sim = Simulator(MODEL, SimConfig(deployment=deployment, instances=3, prefill_instances=3, admission=adm),
-                        gain, CLASSES3)
+        sim = Simulator(MODEL, SimConfig(deployment=deployment, instances=3, prefill_instances=3, admission=adm,
+                                         local_policy=local), gain, CLASSES3)
+        assert [w.state.order for w in d.registry.prefill] == [p.order for p in sim.p_states]
         for w in d.registry.prefill:
             w.healthy = True
             w.state.estimator = Estimator(MODEL)

@@ -26,4 +26,5 @@ class MinLoad(GlobalPolicy):
 
     def select_prefill(self, req, prefills, now):
         gain, dep, eta = self.gain, self.deployment, self.eta
-        return min(prefills, key=lambda p: (evaluate(p, req, now, gain, dep, eta, with_gain=False).exec, p.id))
+        return min(prefills, key=lambda p: (evaluate(p, req, now, gain, dep, eta, with_gain=False).exec,
+                                            p.n_decode, p.id))

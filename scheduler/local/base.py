@@ -221,6 +221,11 @@ class LocalPolicy(ABC):
     name: ClassVar[str] = ""
     #: one-line description for --help listings
     summary: ClassVar[str] = ""
+    #: the order this policy serves its queue in, as the global router models it
+    #: (scheduler.routing.estimates.ORDERS): "deadline" (remain ascending, the paper's
+    #: ESTIMATEGAIN and the default for any policy), "slide" (SlideBatching). Sarathi-FCFS
+    #: keeps the default: "fcfs" measured no better for it (docs/results.md §2.1)
+    router_order: ClassVar[str] = "deadline"
 
     def __init__(self, estimator: Estimator, gain: GainConfig | None = None,
                  classes: Mapping[str, PriorityClass] | None = None):

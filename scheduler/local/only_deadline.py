@@ -10,4 +10,5 @@ from .slide_batching import SlideBatching
 class OnlyDeadline(SlideBatching):
     name = "only_deadline"
     summary = "ablation: SlideBatching with every request NORMAL (deadline-first)"
+    router_order = "deadline"
     ordering = "deadline"

@@ -134,6 +134,7 @@ PACES = ("eq3", "first_token")
 class SlideBatching(LocalPolicy):
     name = "slide_batching"
     summary = "PROSERVE SlideBatching (Alg. 1): latency budget, sliding URGENT/NORMAL boundary"
+    router_order = "slide"   # what GoRouting's schedule-aware estimate assumes (routing.estimates)
 
     #: how requests are ordered: "slide" (the algorithm), or an ablation of §5.4
     ordering = "slide"

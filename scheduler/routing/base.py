@@ -41,6 +41,9 @@ class PrefillInstance:
     n_decode: int = 0                                   # n_d (co-located only)
     avg_decode_kv: float = 1024.0                       # kv length used for b_d (co-located)
     healthy: bool = True
+    #: the order its local policy serves its queue in, as the router models it (LocalPolicy.router_order;
+    #: routing.estimates.ORDERS): what a schedule-aware ESTIMATEGAIN assumes; "deadline" is the paper's
+    order: str = "deadline"
     # (l_q, l_kv) of each queued request's prefill as known at dispatch, keyed by request id:
     # the global scheduler sees dispatches and completions, not chunk progress (§4.3), so
     # its work estimate is frozen here and timestamp lag compensation accounts for progress.

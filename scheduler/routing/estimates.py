@@ -47,16 +47,59 @@ because ``remain`` is negative once a queued request is late; see
 :func:`resolve_eta`. For ``Q ∪ {req}`` the budget also takes ``req``'s remain,
 and ``C = max(0, scale·Σ_Q exec − lag) + scale·exec_req``.
 
+Schedule-aware estimate (issue 14; not the paper's). The order above is the
+paper's: conservative, and right for a local policy that serves by deadline.
+SlideBatching does not once it is loaded: a request whose remain is below the
+load-judgment φ is URGENT and URGENT requests go first *by density* (Alg. 1
+lines 8-13), so a queued request already past its deadline (long, low
+priority) does not hold back a new short high-priority one, yet the paper's
+estimate puts it at the head of the queue and judges every instance unable to
+meet the new request (measured: docs/results.md §2). ``order`` names the local
+order the estimate assumes, each instance's own in ``PrefillInstance.order``
+(set from the local policy's ``router_order``):
+
+* ``"deadline"``: remain ascending, the paper's estimate above;
+* ``"slide"``: SlideBatching's line 13 with γ = 1 and the φ of the
+  deployment (φ_p prefill-only, φ_a co-located; the router sees no local
+  parameters): ``limit`` = the lag-compensated backlog of the set being
+  judged (Q, or Q ∪ {req}), URGENT = ``{r : remain_r < limit}`` ordered by
+  density ``w_r/exec_r`` descending, then the others by remain ascending;
+* ``"fcfs"``: dispatch order, ``req`` last. Selectable (``order=fcfs``) but
+  no policy's default: for Sarathi-FCFS it measured no better than the
+  paper's order (docs/results.md §2.1): the same disaggregated, where arrival
+  order is deadline order when the classes share a TTFT SLO, and within
+  ±0.004 TDG_Ratio co-located, where the paper's φ_a (everything queued
+  finishes together) is the more cautious about piling onto a queue whose
+  prefills will turn into decodes.
+
+The k-th request in the order completes at ``C_k = Σ_{i≤k} cost_i − lag``
+(clamped as above), ``cost = β·(exec + t_c) + δ`` prefill-only and
+``scale·β·exec`` co-located (Eq. 8's fractional batches, the same scale as
+the paper's estimate, so every request no longer completes at the same time);
+gain = ``Σ_{r: C_r < remain_r} w_r``, and Δ_p the gain of Q ∪ {req} under
+its order minus that of Q under its own. ESTIMATEEXEC does not depend on the
+order. ``order="deadline"`` keeps the paper's code above; the walk in
+deadline order gives the paper's disaggregated Δ exactly (tested), while
+co-located the walk's per-request completions differ from φ_a's common one,
+so "slide" and "deadline" can differ there even when the orders agree.
+Equal densities: the walk keeps deadline order, SlideBatching its queue's.
+The walk also gives req's own wait and completion in that order
+(``Estimate.start``, ``Estimate.done``), which GoRouting's light set and
+balance read (see its module doc). O(|Q|) per instance after the snapshot's
+cached sorts.
+
 Speed. :func:`queue_snapshot` sorts a queue once per queue update and caches
 it on the instance; :func:`evaluate` then gets both pre- and post-gain from one
 bisect (where ``req`` would slot in) and a pass over the requests after it,
-which are the only ones ``req`` can delay (co-located: two bisects).
+which are the only ones ``req`` can delay (co-located: two bisects). The
+ordered walk (``"slide"``, ``"fcfs"``) passes over the whole queue twice per
+instance per route (scripts/bench_scheduler.py times both).
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from operator import itemgetter
 from typing import Mapping, NamedTuple
@@ -68,13 +111,31 @@ from .base import COLOCATED, PrefillInstance
 
 _by_deadline = itemgetter(0)
 
+DEADLINE, SLIDE, FCFS = "deadline", "slide", "fcfs"
+#: the local orders the estimate can assume (module doc, "Schedule-aware estimate")
+ORDERS = (DEADLINE, SLIDE, FCFS)
+#: a router's ``order`` setting: "local" (each instance's own ``PrefillInstance.order``) or one for all
+LOCAL = "local"
+ORDER_SETTINGS = (LOCAL, *ORDERS)
+
+
+def resolve_order(order: str, where: str) -> str:
+    """Validate a router's ``order`` setting (one of :data:`ORDER_SETTINGS`)."""
+    return validate.one_of(where, "order", order, ORDER_SETTINGS)
+
+
+def order_of(order: str, p: PrefillInstance) -> str:
+    """The order the estimate assumes for ``p`` under the router's setting ``order``."""
+    return p.order if order == LOCAL else order
+
 
 class QueueSnapshot:
     """``PrefillQueueMap[p]`` ordered by deadline, in uncorrected model units."""
 
-    __slots__ = ("key", "gain", "deadlines", "prefix", "weights", "suffix_w", "sum_exec")
+    __slots__ = ("key", "gain", "deadlines", "prefix", "weights", "suffix_w", "sum_exec",
+                 "execs", "seq", "by_density")
 
-    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec):
+    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec, execs, seq, by_density):
         self.key = key
         self.gain = gain
         self.deadlines = deadlines  # absolute next-token deadlines, ascending (remain order)
@@ -82,6 +143,9 @@ class QueueSnapshot:
         self.weights = weights      # w_r of the next token, same order
         self.suffix_w = suffix_w    # suffix_w[k] = Σ_{i≥k} weights[i], len n+1
         self.sum_exec = sum_exec    # Σ exec without t_c                     (φ_a)
+        self.execs = execs          # exec_r, same order
+        self.seq = seq              # positions (in the order above) in dispatch order ("fcfs")
+        self.by_density = by_density  # positions by density w_r/exec_r descending ("slide")
 
 
 def queued_work(p: PrefillInstance, r: Request) -> tuple[int, int]:
@@ -92,6 +156,11 @@ def queued_work(p: PrefillInstance, r: Request) -> tuple[int, int]:
 
 def _exec(model, l_q: int, l_kv: int) -> float:
     return model.prefill_time(l_q, l_kv) if l_q > 0 else 0.0
+
+
+def _density(w: float, x: float) -> float:
+    """Alg. 1 line 5: gain of the next token per second of exec (no work: first)."""
+    return w / x if x > 0 else math.inf
 
 
 def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
@@ -106,22 +175,24 @@ def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
     get = p.dispatched.get
     prefill = m.unit.prefill
     w_p = gain.w_p
-    for r in q:
+    for k, r in enumerate(q):
         w = get(r.id)
         l_q, l_kv = w if w is not None else (r.remaining_prefill, r.kv_len)
         x = prefill(l_q, l_kv) if l_q > 0 else 0.0                              # Eq. 5
         if r.token_times:  # re-prefill after a preemption: its next token
-            rows.append((gain.next_token_deadline(r), x, gain.next_token_weight(r)))
+            rows.append((gain.next_token_deadline(r), x, gain.next_token_weight(r), k))
         else:              # deadline_{r,1} = arrival + TTFT_SLO, w_r(1) = w_p·w_prio (Eq. 3)
-            rows.append((r.arrival + r.ttft_slo, x, w_p * r.weight))
+            rows.append((r.arrival + r.ttft_slo, x, w_p * r.weight, k))
     rows.sort(key=_by_deadline)  # stable: equal deadlines keep dispatch order
-    deadlines = [d for d, _, _ in rows]
-    execs = [x for _, x, _ in rows]
-    weights = [w for _, _, w in rows]
+    deadlines = [row[0] for row in rows]
+    execs = [row[1] for row in rows]
+    weights = [row[2] for row in rows]
+    seq = sorted(range(len(rows)), key=lambda i: rows[i][3])
+    by_density = sorted(range(len(rows)), key=lambda i: -_density(weights[i], execs[i]))  # stable
     t_c = m.t_c
     prefix = list(accumulate(x + t_c for x in execs))
     suffix_w = list(accumulate(reversed(weights), initial=0.0))[::-1]
-    s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs))
+    s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs), execs, seq, by_density)
     p.cache = s
     return s
 
@@ -140,8 +211,8 @@ def resolve_eta(eta: float | None, classes: Mapping[str, PriorityClass], where: 
     SlideBatching's TPOT headroom h lowers its own floor to (1 − h)·η, which this
     estimate does not know (it sees no local policy's parameters): with the
     default h = 0.3 the global estimate's budget floor is η, the local one 0.7·η.
-    Pass ``eta`` to GoRouting to match a headroom; the local policy providing the
-    router's estimate itself is issue 14's.
+    Pass ``eta`` to GoRouting to match a headroom. The local policy tells the router
+    its queue order (``router_order``), not its parameters.
     """
     if eta is None:
         return min((c.tpot_slo for c in classes.values()), default=None)
@@ -152,6 +223,8 @@ class Estimate(NamedTuple):
     exec: float       # ESTIMATEEXEC(p)
     exec_with: float  # ESTIMATEEXEC(p, req)
     delta: float      # Δ_p = ESTIMATEGAIN(Q ∪ {req}) − ESTIMATEGAIN(Q); NaN if not asked for
+    start: float = math.nan  # schedule-aware only: the prefill the instance runs before req's ...
+    done: float = math.nan   # ... and when req's own prefill completes, in the assumed order
 
 
 def _scale(t_budget: float, overhead: float) -> float:
@@ -165,8 +238,9 @@ def _times(scale: float, x: float) -> float:
 
 
 def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, deployment: str,
-             eta: float | None = None, with_gain: bool = True) -> Estimate:
-    """ESTIMATEEXEC(p), ESTIMATEEXEC(p, req) and Δ_p (Alg. 2 lines 3-6) for one instance."""
+             eta: float | None = None, with_gain: bool = True, order: str = DEADLINE) -> Estimate:
+    """ESTIMATEEXEC(p), ESTIMATEEXEC(p, req) and Δ_p (Alg. 2 lines 3-6) for one instance,
+    Δ_p with the queue served in ``order`` (one of :data:`ORDERS`; the paper's: "deadline")."""
     s = queue_snapshot(p, gain)
     est = p.estimator
     beta, off = est.beta, est.delta   # a step takes β·T_pd + δ (the snapshot holds T_pd)
@@ -175,7 +249,8 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
     lag_ = now - p.ts
     if lag_ < 0.0:
         lag_ = 0.0
-    x_req = beta * _exec(est.model, req.remaining_prefill, req.kv_len)
+    x0_req = _exec(est.model, req.remaining_prefill, req.kv_len)   # model units
+    x_req = beta * x0_req
     d_req = gain.next_token_deadline(req)
     r_req = d_req - now
 
@@ -192,6 +267,12 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
         e_post = max(0.0, _times(s_post, work) - lag_) + _times(s_post, x_req)
         if not with_gain:
             return Estimate(e_pre, e_post, math.nan)
+        if order != DEADLINE:
+            w_req = gain.next_token_weight(req)
+            pre, _, _ = _ordered_gain(s, order, now, lag_, s_pre * beta, 0.0, e_pre)
+            post, start, done = _ordered_gain(s, order, now, lag_, s_post * beta, 0.0, e_post,
+                                              (d_req, x0_req, w_req))
+            return Estimate(e_pre, e_post, post - pre, start, done)
         # φ_a is request-agnostic: every request completes at e; it gains iff e < remain
         w_req = gain.next_token_weight(req)
         pre = s.suffix_w[bisect_right(D, now + e_pre)]
@@ -207,6 +288,11 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
     if not with_gain:
         return Estimate(e_pre, e_pre + c, math.nan)
     w_req = gain.next_token_weight(req)
+    if order != DEADLINE:
+        pre, _, _ = _ordered_gain(s, order, now, lag_, beta, t_c, e_pre)
+        post, start, done = _ordered_gain(s, order, now, lag_, beta, t_c, e_pre + c,
+                                          (d_req, x0_req, w_req))
+        return Estimate(e_pre, e_pre + c, post - pre, start, done)
     j = bisect_right(D, d_req)  # req's slot in remain order (after equal deadlines)
     P = s.prefix
     done_req = (beta * P[j - 1] + j * off if j else 0.0) + c - lag_
@@ -220,6 +306,54 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
         if 0.0 < rk and pk < rk <= pk + c:  # met before, missed after
             delta -= W[k]
     return Estimate(e_pre, e_pre + c, delta)
+
+
+def _ordered_gain(s: QueueSnapshot, order: str, now: float, lag_: float, a: float, b: float,
+                  limit: float, req: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
+    """ESTIMATEGAIN of the snapshot's queue (plus ``req`` = (deadline, exec, weight), exec in
+    model units) served in ``order``, and when ``req`` starts and completes (NaN without it): item i
+    costs ``a·exec_i + b`` and completes at the sum of the costs up to it less the lag;
+    ``limit`` is the backlog φ judges URGENT against ("slide"). See the module doc,
+    "Schedule-aware estimate"."""
+    D, X, W = s.deadlines, s.execs, s.weights
+    if order == FCFS:
+        pos = list(s.seq)
+    elif order == SLIDE:
+        u = bisect_left(D, now + limit)                 # URGENT: remain < limit, a prefix of D
+        pos = [i for i in s.by_density if i < u]       # ... by density descending (line 13)
+        pos += range(u, len(D))                        # NORMAL by remain ascending
+    elif order == DEADLINE:
+        pos = list(range(len(D)))
+    else:
+        raise ValueError(f"unknown queue order {order!r}; choose one of {', '.join(ORDERS)}")
+    if req is not None:  # where req goes: after the requests it ties with
+        d_r, x_r, w_r = req
+        if order == FCFS:
+            k = len(pos)
+        elif order == SLIDE and d_r < now + limit:
+            dr = _density(w_r, x_r)
+            k = next((k for k, i in enumerate(pos) if i >= u or _density(W[i], X[i]) < dr), len(pos))
+        else:
+            k = bisect_right(D, d_r) if order == DEADLINE else \
+                next((k for k, i in enumerate(pos) if D[i] > d_r and (order != SLIDE or i >= u)), len(pos))
+        pos.insert(k, -1)
+    total = acc = 0.0
+    start_req = done_req = math.nan
+    for i in pos:
+        if i < 0:
+            c = a * x_r + b if x_r > 0 else b
+            start_req = max(acc - lag_, 0.0)
+            acc += c
+            done = done_req = start_req + c            # nothing of req has run yet
+            if done < d_r - now:
+                total += w_r
+            continue
+        x = X[i]
+        acc += a * x + b if x > 0 else b
+        done = max(acc - lag_, 0.0)                    # the lag may have finished it
+        if done < D[i] - now:
+            total += W[i]
+    return total, start_req, done_req
 
 
 def estimate_exec(p: PrefillInstance, req: Request, now: float, gain: GainConfig | None = None,

@@ -12,7 +12,9 @@ For each prefill (or co-located) instance ``p``:
    ``H = {p ∈ C : ESTIMATEEXEC(p, req) > λ·TTFT_SLO}`` (lines 10-11); the most
    idle of L (line 13), else the *heaviest* of C − H (line 15: pack, keeping
    the lighter instances free for later long or high-priority requests, the
-   over-balancing fix of §3.3), else the least loaded of C (line 17);
+   over-balancing fix of §3.3), else the least loaded of C (line 17); with
+   the schedule-aware estimate (``order``, below) L and line 17 read req's own
+   wait and completion instead of the backlog;
 4. otherwise a uniformly random instance (line 19, seeded).
 
 The decode instance is the one with the most free KV blocks (line 20, base class).
@@ -31,6 +33,9 @@ Defaults (the paper gives none; all settable, validated):
 * ``mu = 0.2``: an instance whose queued prefill drains within 20 % of the
   TTFT SLO counts as light (nearly idle); sending req there costs it little
   latency and avoids idling an instance (case 1 of §4.3). μ = 0 disables L.
+  With the schedule-aware estimate it is req's own wait that must be under
+  20 %: an instance with a long backlog that req overtakes is light for req
+  (and may be in H too, which line 13 never reads).
 * ``lam = 0.8`` (λ): an instance that would finish req only after 80 % of its
   TTFT SLO is too risky to pile onto: the estimate has error (the latency model's
   ~5 % MAPE, lag, requests that jump the queue locally) and the last 20 % is
@@ -44,6 +49,30 @@ Defaults (the paper gives none; all settable, validated):
   most requests (see docs/results.md).
 * ``eta`` (co-located only): floor of the t_budget estimate, default the
   tightest class TPOT SLO, as SlideBatching's η (see ``estimates.resolve_eta``).
+* ``order = "local"``: the queue order ESTIMATEGAIN assumes on each instance
+  (issue 14, not the paper's): ``"local"`` takes the order its local policy
+  serves in (``PrefillInstance.order``, from the policy's ``router_order``:
+  SlideBatching's URGENT-by-density then deadline; the paper's for the others),
+  so that requests the local scheduler has already given up on do not count
+  as ahead of the new request; ``"deadline"`` is the paper's estimate for every
+  instance (remain order, §4.3); ``"slide"`` or ``"fcfs"`` force one. See ``estimates``, "Schedule-aware estimate",
+  and docs/results.md §2.
+
+Loads under a schedule-aware estimate. Where the local order lets req overtake
+queued work, the backlog no longer says how long req waits, so line 10's
+light set and line 17's balance read req's own wait (``Estimate.start``) and
+completion (``Estimate.done``) in that order. Lines 11 and 15 keep the backlog
+as written: the order is dynamic (a later, denser arrival overtakes req in
+turn), so whether an instance is too risky to pile onto is judged on all its
+queued work. Measured (docs/results.md §2, SlideBatching, 4P+8D, 3 seeds):
+reading req's own completion for H and its wait for line 15 as well packs
+requests that later arrivals then push past their deadline (first-token
+TDG_Ratio 0.998 against 0.999 at 35 req/s, 0.894 against 0.898 at 45).
+
+Ties (not in the paper): equal loads go to the smaller backlog, then to the
+instance with fewer running decodes (co-located: with empty prefill queues
+every instance's load is 0, and a tie broken by id alone sent every request
+to instance 0 and its decodes with them), then the lower id.
 
 ``TTFT_SLO`` in lines 10-11 is ``req.ttft_slo`` as written in the paper (not
 its remaining time; they differ only if the dispatcher holds req before routing).
@@ -56,7 +85,7 @@ from dataclasses import dataclass, field
 from .. import validate
 from ..registry import register_global
 from .base import DISAGGREGATED, GlobalPolicy
-from .estimates import evaluate, resolve_eta
+from .estimates import evaluate, order_of, resolve_eta, resolve_order
 
 FALLBACKS = ("random", "min_load")
 BRANCHES = ("light", "fill", "balance", "fallback")
@@ -73,6 +102,7 @@ class GoDecision:
     deltas: dict[int, float] = field(default_factory=dict)     # Δ_p per instance id
     exec: dict[int, float] = field(default_factory=dict)       # ESTIMATEEXEC(p)
     exec_with: dict[int, float] = field(default_factory=dict)  # ESTIMATEEXEC(p, req)
+    wait: dict[int, float] = field(default_factory=dict)       # req's wait read by lines 10, 13 (= exec as written)
     candidates: list[int] = field(default_factory=list)        # C
     light: list[int] = field(default_factory=list)             # L
     heavy: list[int] = field(default_factory=list)             # H
@@ -85,7 +115,7 @@ class GoRouting(GlobalPolicy):
 
     def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
                  alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None,
-                 fallback: str = "random"):
+                 fallback: str = "random", order: str = "local"):
         super().__init__(gain, classes, deployment, seed)
         n = self.name
         self.alpha = validate.number(n, "alpha", alpha, 0, 1, lo_open=True)
@@ -95,11 +125,19 @@ class GoRouting(GlobalPolicy):
             validate.fail(n, "mu (lower threshold)", f"<= lam (upper threshold) = {lam!r}", mu)
         self.eta = resolve_eta(eta, self.classes, n)
         self.fallback = validate.one_of(n, "fallback", fallback, FALLBACKS)
+        self.order = resolve_order(order, n)
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):
-        gain, dep, eta = self.gain, self.deployment, self.eta
-        ests = [evaluate(p, req, now, gain, dep, eta) for p in prefills]   # lines 2-7
+        gain, dep, eta, order = self.gain, self.deployment, self.eta, self.order
+        ests = [evaluate(p, req, now, gain, dep, eta, order=order_of(order, p)) for p in prefills]  # lines 2-7
+        # the loads of lines 10-17 (see the module doc): with a schedule-aware estimate (Estimate.start
+        # and .done set) req's own wait and completion in the instance's order for L and line 17, and
+        # the backlog, as written, for H, line 15 and the min-load fallback; ties go to the smaller
+        # backlog, then fewer decodes
+        wait = [e.exec if e.start != e.start else e.start for e in ests]         # NaN: as written
+        fin = [e.exec_with if e.done != e.done else e.done for e in ests]
+        tie = [(e.exec, p.n_decode, p.id) for e, p in zip(ests, prefills)]
         delta_max = max(e.delta for e in ests)
         # line 8; the relative slack absorbs float noise in sums of equal weights
         thr = self.alpha * delta_max - 1e-9 * abs(delta_max)
@@ -108,19 +146,20 @@ class GoRouting(GlobalPolicy):
         H: list[int] = []
         if delta_max > 0:                                                   # line 9
             ttft = req.ttft_slo
-            L = [i for i in C if ests[i].exec < self.mu * ttft]             # line 10
+            L = [i for i in C if wait[i] < self.mu * ttft]                  # line 10
             H = [i for i in C if ests[i].exec_with > self.lam * ttft]       # line 11
             if L:                                                           # line 13: most idle in L
-                best, branch = min(L, key=lambda i: (ests[i].exec, prefills[i].id)), "light"
+                best, branch = min(L, key=lambda i: (wait[i], tie[i])), "light"
             else:
                 heavy = set(H)
                 rest = [i for i in C if i not in heavy]
                 if rest:                                                    # line 15: heaviest of C − H
-                    best, branch = min(rest, key=lambda i: (-ests[i].exec, prefills[i].id)), "fill"
+                    best, branch = min(rest, key=lambda i: (-ests[i].exec, prefills[i].n_decode,
+                                                            prefills[i].id)), "fill"
                 else:                                                       # line 17: least loaded of C
-                    best, branch = min(C, key=lambda i: (ests[i].exec, prefills[i].id)), "balance"
+                    best, branch = min(C, key=lambda i: (fin[i], tie[i])), "balance"
         elif self.fallback == "min_load":                                   # variant of line 19
-            best, branch = min(range(len(prefills)), key=lambda i: (ests[i].exec, prefills[i].id)), "fallback"
+            best, branch = min(range(len(prefills)), key=tie.__getitem__), "fallback"
         else:                                                               # line 19: RANDOMSELECT(P)
             best, branch = self.rng.randrange(len(prefills)), "fallback"
         ids = [p.id for p in prefills]
@@ -129,5 +168,6 @@ class GoRouting(GlobalPolicy):
             deltas={ids[i]: e.delta for i, e in enumerate(ests)},
             exec={ids[i]: e.exec for i, e in enumerate(ests)},
             exec_with={ids[i]: e.exec_with for i, e in enumerate(ests)},
+            wait={ids[i]: wait[i] for i in range(len(ests))},
             candidates=[ids[i] for i in C], light=[ids[i] for i in L], heavy=[ids[i] for i in H])
         return prefills[best]
