@@ -22,8 +22,13 @@ the data are plausible and strict where the row is broken):
   which ``strptime``'s ``%f`` cannot take, so the fraction is parsed apart.
 * BurstGPT: rows with ``Response tokens == 0`` are failed requests in BurstGPT
   and are skipped; ``model=`` keeps only rows of that ``Model``.
-* Mooncake JSONL (``timestamp`` in ms, ``input_length``, ``output_length``):
-  ``output_length == 0`` is clamped to 1, as for Azure; ``hash_ids`` is ignored.
+* Mooncake JSONL (``timestamp`` in ms, ``input_length``, ``output_length``,
+  optional ``hash_ids``): ``output_length == 0`` is clamped to 1, as for Azure.
+  ``hash_ids`` names the prompt's blocks of :data:`MOONCAKE_BLOCK_TOKENS` tokens,
+  first to last (equal ids: equal token prefixes); it is kept as
+  ``TraceRecord.hash_ids`` and must be a list of at most
+  ``ceil(input_length / 512)`` non-negative integers (fewer: the blocks not
+  named are the request's own).
 * ShareGPT JSON: one record per conversation, from its first human turn that is
   directly followed by a gpt turn; conversations without such a pair are
   skipped. No timestamps: every arrival is 0 (callers assign arrivals, see
@@ -55,13 +60,19 @@ HUMAN_ROLES = frozenset({"human", "user"})
 GPT_ROLES = frozenset({"gpt", "chatgpt", "assistant"})
 
 
+#: tokens per block of a Mooncake trace's ``hash_ids`` (Mooncake FAST'25 traces)
+MOONCAKE_BLOCK_TOKENS = 512
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRecord:
-    """One request of a trace: arrival (s, relative to the first) and token counts."""
+    """One request of a trace: arrival (s, relative to the first), token counts and, where
+    the trace has them, the ids of the prompt's blocks (equal ids, equal prefixes)."""
 
     arrival: float
     prompt_len: int
     output_len: int
+    hash_ids: tuple[int, ...] = ()
 
 
 class TraceError(ConfigError):
@@ -161,13 +172,30 @@ def _seconds(raw, column: str, scale: float = 1.0) -> float:
     return v * scale
 
 
-def _finish(path, rows: list[tuple[float, int, int]], what: str = "") -> list[TraceRecord]:
-    """Sort by arrival (stable), shift the first arrival to 0, wrap as records."""
+def _finish(path, rows: list[tuple], what: str = "") -> list[TraceRecord]:
+    """Sort by arrival (stable), shift the first arrival to 0, wrap as records; a row is
+    ``(arrival, prompt, output)`` or ``(arrival, prompt, output, hash_ids)``."""
     if not rows:
         raise TraceError(path, "contains no requests" + what)
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
-    return [TraceRecord(t - t0, p, o) for t, p, o in rows]
+    return [TraceRecord(row[0] - t0, *row[1:]) for row in rows]
+
+
+def _hash_ids(raw, prompt_len: int) -> tuple[int, ...]:
+    """A Mooncake row's ``hash_ids`` (absent: none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _RowError(f"hash_ids: expected a list of integers, got {type(raw).__name__}")
+    most = math.ceil(prompt_len / MOONCAKE_BLOCK_TOKENS)
+    if len(raw) > most:
+        raise _RowError(f"hash_ids: {len(raw)} blocks for input_length {prompt_len} "
+                        f"(at most {most} of {MOONCAKE_BLOCK_TOKENS} tokens)")
+    for h in raw:
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise _RowError(f"hash_ids: expected non-negative integers, got {h!r}")
+    return tuple(raw)
 
 
 def _csv_rows(path, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, str | None]]]:
@@ -279,9 +307,9 @@ def load_burstgpt(path: str | os.PathLike, limit: int | None = None,
 
 def load_mooncake(path: str | os.PathLike, limit: int | None = None) -> list[TraceRecord]:
     """Mooncake JSONL: one object per line with ``timestamp`` (ms), ``input_length``,
-    ``output_length`` (``hash_ids`` ignored)."""
+    ``output_length`` and optional ``hash_ids`` (kept; see the module doc)."""
     _check_limit(limit)
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple] = []
     with _open(path) as f:
         line = 0
         try:
@@ -298,9 +326,10 @@ def load_mooncake(path: str | os.PathLike, limit: int | None = None) -> list[Tra
                     t = _seconds(obj.get("timestamp"), "timestamp", scale=1e-3)
                     p = _prompt(obj.get("input_length"), "input_length")
                     o = max(1, _count(obj.get("output_length"), "output_length"))
+                    h = _hash_ids(obj.get("hash_ids"), p)
                 except _RowError as e:
                     raise TraceError(path, str(e), line=line) from None
-                rows.append((t, p, o))
+                rows.append((t, p, o, h))
                 if limit is not None and len(rows) >= limit:
                     break
         except (UnicodeDecodeError, OSError) as e:

@@ -193,8 +193,25 @@ def test_mooncake_fixture(tmp_path):
     recs = load_mooncake(p)
     assert [(r.arrival, r.prompt_len, r.output_len) for r in recs] == [
         (0.0, 6955, 52), (0.0, 6472, 26), (1.5005, 100, 7), (3.052, 12, 1)]  # output 0 → 1
+    assert [r.hash_ids for r in recs] == [(1, 2, 3), (4,), (), ()]         # kept; absent: none
     assert load_mooncake(p, limit=2) == recs[:2]
     assert load_trace(p) == recs
+
+
+def test_mooncake_reference_trace_keeps_its_prefix_structure():
+    """issue 14's reference trace (../shared/data beside the checkout): every prompt's blocks
+    named, 64 % of them repeating an earlier block."""
+    ref = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+    if not ref.exists():
+        pytest.skip(f"{ref} is not beside this checkout")
+    recs = load_mooncake(ref)
+    assert len(recs) == 3993 and all(len(r.hash_ids) == -(-r.prompt_len // 512) for r in recs)
+    seen: set[int] = set()
+    repeat = 0
+    for r in recs:
+        repeat += sum(h in seen for h in r.hash_ids)
+        seen.update(r.hash_ids)
+    assert 0.6 < repeat / sum(len(r.hash_ids) for r in recs) < 0.7
 
 
 @pytest.mark.parametrize("line_text, words", [
@@ -206,6 +223,12 @@ def test_mooncake_fixture(tmp_path):
     ('{"timestamp": 1, "input_length": true, "output_length": 3}', ["input_length", "integer"]),
     ('{"timestamp": 1, "input_length": 0, "output_length": 3}', ["input_length is 0"]),
     ('{"timestamp": 1, "input_length": 3, "output_length": -3}', ["output_length", ">= 0"]),
+    ('{"timestamp": 1, "input_length": 3, "output_length": 3, "hash_ids": 7}', ["hash_ids", "list", "int"]),
+    ('{"timestamp": 1, "input_length": 3, "output_length": 3, "hash_ids": [1, 2]}', ["hash_ids", "2 blocks",
+                                                                                     "at most 1"]),
+    ('{"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": [1, -2]}', ["hash_ids", "-2"]),
+    ('{"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": [1, true]}', ["hash_ids", "True"]),
+    ('{"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": ["a"]}', ["hash_ids", "'a'"]),
 ])
 def test_mooncake_malformed(tmp_path, line_text, words):
     p = write(tmp_path, "bad.jsonl", MOONCAKE + "\n" + line_text + "\n")  # blank line 5, bad line 6
