@@ -25,7 +25,7 @@ from proserve.scheduler import validate
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
-from .traces import TraceRecord, load_trace
+from .traces import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,9 @@ def tag_priorities(records: Sequence[TraceRecord], classes: Mapping[str, Priorit
         pc = classes[names[k]]
         out.append(Request(id=f"r{i}", priority=pc.name, weight=pc.weight, ttft_slo=pc.ttft_slo,
                            tpot_slo=pc.tpot_slo, arrival=start + rec.arrival,
-                           prompt_len=rec.prompt_len, output_len=rec.output_len))
+                           prompt_len=rec.prompt_len, output_len=rec.output_len,
+                           prefix_blocks=rec.hash_ids,
+                           prefix_block_tokens=MOONCAKE_BLOCK_TOKENS if rec.hash_ids else 0))
     return out
 
 

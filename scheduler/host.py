@@ -113,7 +113,7 @@ class LocalHost:
         Not idle with nothing to preempt (a prefill-only instance whose blocks hold finished
         prefills waiting for their KV transfer): wait. The body applies the decision, then
         plans again."""
-        partial = [r for r in view.waiting if r.kv_len > 0]
+        partial = [r for r in view.waiting if r.holds_kv]
         if partial:
             return Unstick(preempt=partial[-1])
         if view.decoding:

@@ -70,6 +70,10 @@ class Request:
     kv_len: int = 0          # tokens whose KV is in the cache
     instance: int | None = None
     error: str | None = None  # set when the request ends with an error instead of tokens
+    # --- prefix structure (scheduler.prefix) -------------------------------
+    prefix_blocks: tuple[int, ...] = ()   # ids of the prompt's blocks, first to last (equal ids: equal prefixes)
+    prefix_block_tokens: int = 0          # tokens per prefix block
+    cached: int = 0          # of kv_len, tokens an instance's prefix cache supplied (shared, not held)
 
     def __post_init__(self) -> None:
         where = f"request {self.id}"
@@ -90,6 +94,12 @@ class Request:
     @property
     def remaining_prefill(self) -> int:
         return self.prefill_len - self.prefilled
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether the request holds KV blocks of its own: it has computed some of its
+        prefill (a prefix-cache hit alone is shared with the cache, not held)."""
+        return self.kv_len > self.cached
 
     @property
     def needs_prefill(self) -> bool:
@@ -205,4 +215,5 @@ class Request:
         self.prefill_len = self.prompt_len + self.num_emitted
         self.prefilled = 0
         self.kv_len = 0
+        self.cached = 0
         self.phase = Phase.WAITING

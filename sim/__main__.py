@@ -123,6 +123,9 @@ def run_spec(spec: RunSpec, keep_requests: bool = False) -> dict:
     if res.admission:
         out["admission"] = res.admission
         add_admission(out["metrics"], res.admission)
+    if res.prefix_prompt_tokens:
+        out["prefix_cache"] = {"prompt_tokens": res.prefix_prompt_tokens, "hit_tokens": res.prefix_hit_tokens,
+                               "hit_rate": res.prefix_hit_tokens / res.prefix_prompt_tokens}
     if keep_requests:
         out["records"] = request_records(res.requests, gain)
         out["timeline"] = res.timeline
@@ -180,6 +183,10 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
     c.add_argument("--kv-bandwidth", type=float, default=25.0, help="KV transfer bandwidth in GB/s (default 25)")
     c.add_argument("--kv-blocks", type=int, help="KV blocks per instance (default: from the latency model)")
     c.add_argument("--exact", action="store_true", help="simulate every decode step (no macro-steps)")
+    c.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="no prefix caching (default: on, as vLLM's; it acts on traces with prefix blocks, "
+                        "Mooncake's hash_ids: a request skips the prefill of its leading blocks the instance "
+                        "holds, LRU over the instance's KV memory; the run's hit rate is in its JSON)")
     h = p.add_argument_group("what the real cluster adds around the engines (scripts/bench_fidelity.py measures it)")
     h.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                    help="disaggregated: who emits the first token: 'prefill' (the paper, §4.3; default) or "
@@ -249,7 +256,7 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
         fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed,
         first_token=args.first_token, dispatch_delay=args.dispatch_delay, handoff_delay=args.handoff_delay,
-        stream_delay=args.stream_delay,
+        stream_delay=args.stream_delay, prefix_cache=args.prefix_cache,
         admission=AdmissionConfig(actions, args.max_queued_requests, args.max_queued_tokens),
         max_concurrent=args.max_concurrent, max_concurrent_per_class=args.max_concurrent_per_class)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,

@@ -59,6 +59,7 @@ from proserve.scheduler.admission import REJECT, Admission, AdmissionConfig, Con
 from proserve.scheduler.estimator import Estimator, LatencyModel, OnlineCorrector
 from proserve.scheduler.host import LocalHost, RouterHost
 from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, blocks_for
+from proserve.scheduler.prefix import BlockLRU, cached_tokens
 from proserve.scheduler.registry import make_global, make_local
 from proserve.scheduler.request import ConfigError, Phase, PriorityClass, Request
 from proserve.scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance
@@ -106,6 +107,9 @@ class SimConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # per-class on_overload, queue caps
     max_concurrent: int | None = None            # requests in progress at once, overall (else refused: 429)
     max_concurrent_per_class: int | None = None  # ... per class (the dispatcher's per-key limit, a key per class)
+    # Prefix caching (scheduler.prefix; vLLM's default is on): a request with prefix blocks skips the
+    # prefill of its longest run of leading blocks held by the instance it is queued at
+    prefix_cache: bool = True
 
     def validate(self) -> None:
         W = "simulator"
@@ -145,6 +149,10 @@ class SimResult:
     # admission decisions per class the requests came in: {class: {admit, queue, downgrade,
     # reject, "reject:<reason>"...: count}}; empty when admission control is off
     admission: dict = field(default_factory=dict)
+    # prefix cache: prompt tokens of requests with prefix blocks as they reached a prefill (or
+    # co-located) instance, and how many of them were found cached there
+    prefix_prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class _Instance:
@@ -175,11 +183,15 @@ class _Instance:
         self.step_start = 0.0
         self.admitted: dict[str, int] = {}  # request id -> admission sequence number (vLLM's running order)
         self.admit_seq = 0
+        # prefix cache (scheduler.prefix), in blocks of the requests' prefix blocks: as many as
+        # the KV memory holds tokens, set on the first request that has prefix blocks
+        self.cache: BlockLRU | None = None
         # what every body does with the policy's plans and the measured step times (scheduler.host)
         self.host = LocalHost(policy, est, mode, block_size, blocks)
 
     def blocks_held(self, r: Request) -> int:
-        return math.ceil(r.kv_len / self.block_size)
+        """KV blocks ``r`` holds here: its KV less the prefix-cache blocks it shares."""
+        return math.ceil(r.kv_len / self.block_size) - r.cached // self.block_size
 
     def noise(self) -> float:
         if self.noise_cv <= 0:
@@ -243,6 +255,8 @@ class Simulator:
         self.timeline: list[TimelinePoint] = []
         self.steps = 0
         self.preemptions = 0
+        self.prefix_prompt_tokens = 0   # prompt tokens of requests with prefix blocks at their instance
+        self.prefix_hit_tokens = 0      # ... of them found in its prefix cache
         self._decode_target: dict[str, int] = {}
         self._kv_source: dict[str, _Instance] = {}
 
@@ -273,7 +287,7 @@ class Simulator:
         end = max((r.token_times[-1] for r in reqs if r.token_times), default=now)
         betas = [i.est.beta for i in self.front + self.decoders]
         return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas, self.preemptions,
-                         self.admission_counts)
+                         self.admission_counts, self.prefix_prompt_tokens, self.prefix_hit_tokens)
 
     # -- arrivals and routing ----------------------------------------------------------
     def _on_arrival(self, r: Request, now: float) -> None:
@@ -339,8 +353,20 @@ class Simulator:
         self._finished(r, now)
 
     def _enqueue(self, inst: _Instance, r: Request, now: float) -> None:
+        if r.prefix_blocks and self.cfg.prefix_cache and r.prefilled == 0 and not r.token_times:
+            self._prefix_hit(inst, r)
         inst.waiting.append(r)
         self._wake(inst, now)
+
+    def _prefix_hit(self, inst: _Instance, r: Request) -> None:
+        """The longest run of ``r``'s leading prefix blocks ``inst`` holds: its prefill
+        starts after them (l_q down, l_kv up: Eq. 5), sharing their KV blocks."""
+        if inst.cache is None:
+            inst.cache = BlockLRU(inst.total_blocks * inst.block_size // r.prefix_block_tokens)
+        hit = cached_tokens(r, inst.cache.match(r.prefix_blocks), inst.block_size)
+        self.prefix_prompt_tokens += r.prompt_len
+        self.prefix_hit_tokens += hit
+        r.prefilled = r.kv_len = r.cached = hit
 
     def _fail(self, r: Request, why: str, now: float) -> None:
         r.fail(why)
@@ -391,7 +417,7 @@ class Simulator:
         bs = self.block_size
         need = sum(1 for r in inst.decoding if r.kv_len % bs == 0)
         while need > inst.free_blocks and inst.decoding:
-            victim = max((r for r in inst.decoding + inst.waiting if r.kv_len > 0),
+            victim = max((r for r in inst.decoding + inst.waiting if r.holds_kv),
                          key=lambda r: inst.admitted.get(r.id, -1))
             inst.free_blocks += inst.blocks_held(victim)
             if victim.phase is Phase.DECODING:
@@ -456,7 +482,7 @@ class Simulator:
             return self._unstick(inst, now, None if inst.mode == "decode" else view)
         # allocate KV blocks for the step
         for r, n in plan.prefill:
-            if r.kv_len == 0:
+            if r.id not in inst.admitted:
                 inst.admit_seq += 1
                 inst.admitted[r.id] = inst.admit_seq   # admission order, for preemption
             inst.free_blocks -= blocks_for(r, n, bs)
@@ -564,6 +590,8 @@ class Simulator:
 
     def _prefill_done(self, inst: _Instance, r: Request, now: float) -> None:
         inst.waiting.remove(r)
+        if inst.cache is not None and r.prefix_blocks:
+            inst.cache.insert(r.prefix_blocks)   # its prompt's KV is computed here now
         # the asynchronous completion signal (§4.3); co-located, r now decodes here (n_d)
         self.router_host.prefill_finished(r, now)
         if inst.mode == COLOCATED:
@@ -575,6 +603,7 @@ class Simulator:
             return
         # disaggregated: KV moves to the decode instance picked at dispatch
         held = inst.blocks_held(r)   # before a hand-off shortens kv_len: these are what r holds here
+        r.cached = 0                 # the decode side receives (and holds) all of its KV
         if self.cfg.first_token == "decode":
             r.hand_off()   # the decode instance emits every output token
         if r.phase is Phase.DONE:

@@ -139,7 +139,7 @@ class BatchBuilder:
 
     def available_blocks(self, req: Request) -> int:
         """Blocks ``req`` may take: all free ones if it already holds KV, else those above the reserve."""
-        return self.free_blocks if req.kv_len > 0 else self.free_blocks - self.view.reserve_blocks
+        return self.free_blocks if req.holds_kv else self.free_blocks - self.view.reserve_blocks
 
     def admissible(self, req: Request) -> bool:
         """May ``req`` take KV blocks this step? One that holds KV already may; a new one
@@ -147,7 +147,7 @@ class BatchBuilder:
         above the reserve — vLLM's admission rule (``scheduler_reserve_full_isl``, on by
         default): a prompt admitted chunk by chunk into memory it cannot finish in would
         push running requests out, which then push it out (recompute thrash)."""
-        if req.kv_len > 0:
+        if req.holds_kv:
             return True
         return blocks_for(req, req.remaining_prefill, self.view.block_size) <= self.available_blocks(req)
 

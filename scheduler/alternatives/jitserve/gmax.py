@@ -428,4 +428,4 @@ def _context(r: Request) -> int:
 
 def _started(r: Request) -> bool:
     """Running in the paper's sense: holds KV or has emitted tokens."""
-    return r.kv_len > 0 or bool(r.token_times)
+    return r.holds_kv or bool(r.token_times)

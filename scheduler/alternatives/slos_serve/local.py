@@ -210,7 +210,7 @@ class SLOsServe(LocalPolicy):
                 pre_adm.append(r)
             elif rid in declined:
                 pre_be.append(r)
-            elif r.kv_len > 0 or r.token_times:
+            elif r.holds_kv or r.token_times:
                 admitted.add(rid)
                 pre_adm.append(r)
             else:
@@ -282,9 +282,9 @@ class SLOsServe(LocalPolicy):
         for r in pre_be:
             if budget < _ONE or t0 - b.time < one:
                 break
-            if r.kv_len == 0 and not start_be:
+            if not r.holds_kv and not start_be:
                 continue
-            n = self._chunk(b, r, budget, t0, keep if r.kv_len == 0 else 0)
+            n = self._chunk(b, r, budget, t0, keep if not r.holds_kv else 0)
             if n:
                 budget -= n
                 n_be += 1
@@ -443,4 +443,4 @@ def _arrival(r):
 
 def _be_order(r):
     # partial prefills first (they hold KV blocks), then oldest first
-    return (r.kv_len == 0, r.arrival)
+    return (not r.holds_kv, r.arrival)
