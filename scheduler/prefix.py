@@ -39,6 +39,16 @@ class BlockLRU:
     def __contains__(self, block: int) -> bool:
         return block in self._blocks
 
+    def peek(self, blocks: Sequence[int]) -> int:
+        """:meth:`match` without refreshing anything (for estimates)."""
+        n = 0
+        held = self._blocks
+        for b in blocks:
+            if b not in held:
+                break
+            n += 1
+        return n
+
     def match(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks``, from the first, are held (the longest cached prefix);
         those are refreshed."""

@@ -187,6 +187,10 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
                    help="no prefix caching (default: on, as vLLM's; it acts on traces with prefix blocks, "
                         "Mooncake's hash_ids: a request skips the prefill of its leading blocks the instance "
                         "holds, LRU over the instance's KV memory; the run's hit rate is in its JSON)")
+    c.add_argument("--no-prefix-index", dest="prefix_index", action="store_false",
+                   help="the router keeps no index of the instances' prefix caches (default: it indexes the "
+                        "prefix blocks it dispatched to each and prices a request's prefill net of the "
+                        "prefix it expects there)")
     h = p.add_argument_group("what the real cluster adds around the engines (scripts/bench_fidelity.py measures it)")
     h.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                    help="disaggregated: who emits the first token: 'prefill' (the paper, §4.3; default) or "
@@ -256,7 +260,7 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         true_model=true_model, kv_bandwidth=args.kv_bandwidth * 1e9, num_kv_blocks=args.kv_blocks,
         fast_forward=not args.exact, record_timeline=getattr(args, "timeline", False), seed=seed,
         first_token=args.first_token, dispatch_delay=args.dispatch_delay, handoff_delay=args.handoff_delay,
-        stream_delay=args.stream_delay, prefix_cache=args.prefix_cache,
+        stream_delay=args.stream_delay, prefix_cache=args.prefix_cache, prefix_index=args.prefix_index,
         admission=AdmissionConfig(actions, args.max_queued_requests, args.max_queued_tokens),
         max_concurrent=args.max_concurrent, max_concurrent_per_class=args.max_concurrent_per_class)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,

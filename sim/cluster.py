@@ -110,6 +110,8 @@ class SimConfig:
     # Prefix caching (scheduler.prefix; vLLM's default is on): a request with prefix blocks skips the
     # prefill of its longest run of leading blocks held by the instance it is queued at
     prefix_cache: bool = True
+    # ... and the router keeps an approximate index of each instance's cache (routing.base.expected_hit)
+    prefix_index: bool = True
 
     def validate(self) -> None:
         W = "simulator"
@@ -234,7 +236,10 @@ class Simulator:
                                                np.random.default_rng(rng.integers(1 << 62)), config.noise_cv))
         self.router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
                                   deployment=dep, seed=config.seed, **config.global_params)
-        self.p_states = [PrefillInstance(i.id, i.est, order=type(i.policy).router_order) for i in self.front]
+        # the router's view; with prefix caching, an approximate index of each instance's cache
+        cache_tokens = self.num_blocks * self.block_size if config.prefix_cache and config.prefix_index else 0
+        self.p_states = [PrefillInstance(i.id, i.est, order=type(i.policy).router_order, cache_tokens=cache_tokens,
+                                         block_size=self.block_size) for i in self.front]
         self.d_states = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
         # the global side: PrefillQueueMap updates and router notifications, from events
         self.router_host = RouterHost(self.router, self.p_states)

@@ -8,6 +8,14 @@ list (``ts_p``, for timestamp lag compensation), and in the co-located setting
 the number of requests decoding there (``n_d``). Decode instances report their
 free KV blocks.
 
+Where the instances cache prefixes, the map also keeps an approximate index of
+each one's cache (issue 14): the prefix blocks of the requests dispatched there,
+LRU, as many as its KV memory holds (``PrefillInstance.prefix``); the work it
+records for a request is net of the prefix it expects there
+(:func:`expected_hit`). Approximate: blocks count as cached from dispatch on,
+not from the end of the prefill, and evictions follow the router's view of
+the traffic, not the engine's.
+
 Bodies (the simulator, the dispatcher) do not call :class:`PrefillQueueMap`
 themselves: they report events (dispatched, prefill finished, requeued,
 released, finished) to :class:`proserve.scheduler.host.RouterHost`, which moves the map.
@@ -22,6 +30,7 @@ from typing import ClassVar, Mapping, Sequence
 
 from .. import validate
 from ..estimator import Estimator
+from ..prefix import BlockLRU, cached_tokens
 from ..request import PriorityClass, Request
 from ..tdg import GainConfig
 
@@ -44,6 +53,11 @@ class PrefillInstance:
     #: the order its local policy serves its queue in, as the router models it (LocalPolicy.router_order;
     #: routing.estimates.ORDERS): what a schedule-aware ESTIMATEGAIN assumes; "deadline" is the paper's
     order: str = "deadline"
+    #: the router's approximate index of the instance's prefix cache (issue 14): the prefix blocks
+    #: of the requests dispatched there, LRU, as many as ``cache_tokens`` hold; None: not kept
+    prefix: BlockLRU | None = None
+    cache_tokens: int = 0          # KV tokens the instance can cache (0: no index)
+    block_size: int = 16           # its KV block size (hits are whole blocks)
     # (l_q, l_kv) of each queued request's prefill as known at dispatch, keyed by request id:
     # the global scheduler sees dispatches and completions, not chunk progress (§4.3), so
     # its work estimate is frozen here and timestamp lag compensation accounts for progress.
@@ -59,6 +73,15 @@ class DecodeInstance:
     healthy: bool = True
 
 
+def expected_hit(p: PrefillInstance, req: Request) -> int:
+    """Prompt tokens of ``req`` the router expects ``p``'s prefix cache to hold: its longest
+    run of leading blocks in ``p``'s index (0 without an index, for a request that has
+    started, or one with no prefix blocks)."""
+    if p.prefix is None or not req.prefix_blocks or req.prefilled or req.token_times:
+        return 0
+    return cached_tokens(req, p.prefix.peek(req.prefix_blocks), p.block_size)
+
+
 class PrefillQueueMap:
     """PrefillQueueMap of §4.3 over a list of :class:`PrefillInstance`."""
 
@@ -70,10 +93,17 @@ class PrefillQueueMap:
         return self._by_id[inst_id]
 
     def add(self, inst_id: int, req: Request, now: float) -> None:
-        """On dispatch: PrefillQueueMap[p].add(r)."""
+        """On dispatch: PrefillQueueMap[p].add(r). With a prefix index, the work recorded is
+        what is left after the prefix ``p`` is expected to hold (:func:`expected_hit`), and
+        ``r``'s blocks join the index."""
         p = self._by_id[inst_id]
         p.queue.append(req)
-        p.dispatched[req.id] = (req.remaining_prefill, req.kv_len)
+        hit = expected_hit(p, req)
+        p.dispatched[req.id] = (req.remaining_prefill - hit, req.kv_len + hit)
+        if p.cache_tokens and req.prefix_blocks:
+            if p.prefix is None:
+                p.prefix = BlockLRU(p.cache_tokens // req.prefix_block_tokens)
+            p.prefix.insert(req.prefix_blocks)
         p.version += 1
         p.ts = now
 

@@ -88,6 +88,13 @@ The walk also gives req's own wait and completion in that order
 balance read (see its module doc). O(|Q|) per instance after the snapshot's
 cached sorts.
 
+Prefix caches (issue 14). Where the router keeps an index of an instance's
+prefix cache (``PrefillInstance.prefix``, :func:`~proserve.scheduler.routing.base.expected_hit`),
+a request's prefill is priced net of the prefix the instance is expected to
+hold: ``exec = T~_p(l_q − hit, l_kv + hit)`` (Eq. 5), for the routed request
+here and for each queued one as recorded at dispatch. Cache affinity, queueing
+and deadlines then meet in one currency, the gain.
+
 Speed. :func:`queue_snapshot` sorts a queue once per queue update and caches
 it on the instance; :func:`evaluate` then gets both pre- and post-gain from one
 bisect (where ``req`` would slot in) and a pass over the requests after it,
@@ -107,7 +114,7 @@ from typing import Mapping, NamedTuple
 from .. import validate
 from ..request import PriorityClass, Request
 from ..tdg import GainConfig
-from .base import COLOCATED, PrefillInstance
+from .base import COLOCATED, PrefillInstance, expected_hit
 
 _by_deadline = itemgetter(0)
 
@@ -225,6 +232,7 @@ class Estimate(NamedTuple):
     delta: float      # Δ_p = ESTIMATEGAIN(Q ∪ {req}) − ESTIMATEGAIN(Q); NaN if not asked for
     start: float = math.nan  # schedule-aware only: the prefill the instance runs before req's ...
     done: float = math.nan   # ... and when req's own prefill completes, in the assumed order
+    saved: float = 0.0       # prefill time req's expected cached prefix saves here (prefix index)
 
 
 def _scale(t_budget: float, overhead: float) -> float:
@@ -249,7 +257,9 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
     lag_ = now - p.ts
     if lag_ < 0.0:
         lag_ = 0.0
-    x0_req = _exec(est.model, req.remaining_prefill, req.kv_len)   # model units
+    hit = expected_hit(p, req)                                      # prefix index (issue 14)
+    x0_req = _exec(est.model, req.remaining_prefill - hit, req.kv_len + hit)   # model units
+    x0_saved = _exec(est.model, req.remaining_prefill, req.kv_len) - x0_req if hit else 0.0
     x_req = beta * x0_req
     d_req = gain.next_token_deadline(req)
     r_req = d_req - now
@@ -272,7 +282,7 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
             pre, _, _ = _ordered_gain(s, order, now, lag_, s_pre * beta, 0.0, e_pre)
             post, start, done = _ordered_gain(s, order, now, lag_, s_post * beta, 0.0, e_post,
                                               (d_req, x0_req, w_req))
-            return Estimate(e_pre, e_post, post - pre, start, done)
+            return Estimate(e_pre, e_post, post - pre, start, done, _times(s_post, beta * x0_saved))
         # φ_a is request-agnostic: every request completes at e; it gains iff e < remain
         w_req = gain.next_token_weight(req)
         pre = s.suffix_w[bisect_right(D, now + e_pre)]
@@ -292,7 +302,7 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
         pre, _, _ = _ordered_gain(s, order, now, lag_, beta, t_c, e_pre)
         post, start, done = _ordered_gain(s, order, now, lag_, beta, t_c, e_pre + c,
                                           (d_req, x0_req, w_req))
-        return Estimate(e_pre, e_pre + c, post - pre, start, done)
+        return Estimate(e_pre, e_pre + c, post - pre, start, done, beta * x0_saved)
     j = bisect_right(D, d_req)  # req's slot in remain order (after equal deadlines)
     P = s.prefix
     done_req = (beta * P[j - 1] + j * off if j else 0.0) + c - lag_
@@ -383,9 +393,10 @@ def estimate_gain(p: PrefillInstance, now: float, gain: GainConfig | None = None
         l_q, l_kv = queued_work(p, r)
         items.append((gain.next_token_deadline(r), False,
                       est.prefill(l_q, l_kv) if l_q > 0 else 0.0, gain.next_token_weight(r)))
+    hit = expected_hit(p, req) if req is not None else 0
     if req is not None:
         items.append((gain.next_token_deadline(req), True,
-                      est.prefill(req.remaining_prefill, req.kv_len), gain.next_token_weight(req)))
+                      est.prefill(req.remaining_prefill - hit, req.kv_len + hit), gain.next_token_weight(req)))
     items.sort(key=lambda it: (it[0], it[1]))  # remain ascending; req after equal deadlines
     total = 0.0
     if deployment == COLOCATED:
