@@ -82,6 +82,8 @@ class Request:
         validate.positive(where, "weight", self.weight)
         validate.positive(where, "ttft_slo", self.ttft_slo)
         validate.positive(where, "tpot_slo", self.tpot_slo)
+        if self.prefix_blocks:   # a prefix needs its block size (scheduler.prefix)
+            validate.integer(where, "prefix_block_tokens", self.prefix_block_tokens, 1)
         if self.prefill_len == 0:
             self.prefill_len = self.prompt_len
 

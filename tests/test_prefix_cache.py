@@ -44,6 +44,12 @@ def test_lru_matches_the_leading_run_and_evicts_the_least_recently_used():
         BlockLRU(-1)
 
 
+def test_prefix_blocks_need_their_block_size():
+    with pytest.raises(ConfigError, match="prefix_block_tokens"):
+        Request("r", "high", 2.0, 1.0, 0.1, 0.0, 100, prefix_blocks=(1, 2), prefix_block_tokens=0)
+    assert Request("r", "high", 2.0, 1.0, 0.1, 0.0, 100).prefix_block_tokens == 0   # no prefix: none needed
+
+
 def test_cached_tokens_are_whole_kv_blocks_and_never_the_last_prompt_token():
     r = req("r", 200, blocks=[1, 2, 3, 4], bt=64)          # 4 blocks of 64: 256 > 200 tokens
     assert cached_tokens(r, 0, 16) == 0
