@@ -140,9 +140,9 @@ class QueueSnapshot:
     """``PrefillQueueMap[p]`` ordered by deadline, in uncorrected model units."""
 
     __slots__ = ("key", "gain", "deadlines", "prefix", "weights", "suffix_w", "sum_exec",
-                 "execs", "seq", "by_density")
+                 "execs", "seq", "dens", "by_density")
 
-    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec, execs, seq, by_density):
+    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec, execs, seq, dens, by_density):
         self.key = key
         self.gain = gain
         self.deadlines = deadlines  # absolute next-token deadlines, ascending (remain order)
@@ -152,6 +152,7 @@ class QueueSnapshot:
         self.sum_exec = sum_exec    # Σ exec without t_c                     (φ_a)
         self.execs = execs          # exec_r, same order
         self.seq = seq              # positions (in the order above) in dispatch order ("fcfs")
+        self.dens = dens            # density w_r/exec_r (Alg. 1 line 5), same order
         self.by_density = by_density  # positions by density w_r/exec_r descending ("slide")
 
 
@@ -195,11 +196,13 @@ def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
     execs = [row[1] for row in rows]
     weights = [row[2] for row in rows]
     seq = sorted(range(len(rows)), key=lambda i: rows[i][3])
-    by_density = sorted(range(len(rows)), key=lambda i: -_density(weights[i], execs[i]))  # stable
+    dens = [_density(w, x) for w, x in zip(weights, execs)]
+    by_density = sorted(range(len(rows)), key=lambda i: -dens[i])  # stable
     t_c = m.t_c
     prefix = list(accumulate(x + t_c for x in execs))
     suffix_w = list(accumulate(reversed(weights), initial=0.0))[::-1]
-    s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs), execs, seq, by_density)
+    s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs), execs, seq, dens,
+                      by_density)
     p.cache = s
     return s
 
@@ -341,27 +344,28 @@ def _ordered_gain(s: QueueSnapshot, order: str, now: float, lag_: float, a: floa
         if order == FCFS:
             k = len(pos)
         elif order == SLIDE and d_r < now + limit:
-            dr = _density(w_r, x_r)
-            k = next((k for k, i in enumerate(pos) if i >= u or _density(W[i], X[i]) < dr), len(pos))
+            dr, dens = _density(w_r, x_r), s.dens
+            k = next((k for k, i in enumerate(pos) if i >= u or dens[i] < dr), len(pos))
         else:
             k = bisect_right(D, d_r) if order == DEADLINE else \
                 next((k for k, i in enumerate(pos) if D[i] > d_r and (order != SLIDE or i >= u)), len(pos))
         pos.insert(k, -1)
     total = acc = 0.0
     start_req = done_req = math.nan
+    t0 = now - lag_   # a queued item done at max(acc − lag, 0) meets iff acc + t0 < deadline and now < deadline
     for i in pos:
         if i < 0:
             c = a * x_r + b if x_r > 0 else b
-            start_req = max(acc - lag_, 0.0)
+            start_req = acc - lag_ if acc > lag_ else 0.0
             acc += c
-            done = done_req = start_req + c            # nothing of req has run yet
-            if done < d_r - now:
+            done_req = start_req + c                   # nothing of req has run yet
+            if done_req < d_r - now:
                 total += w_r
             continue
         x = X[i]
         acc += a * x + b if x > 0 else b
-        done = max(acc - lag_, 0.0)                    # the lag may have finished it
-        if done < D[i] - now:
+        d = D[i]
+        if acc + t0 < d and now < d:                   # done = max(acc − lag, 0) < remain
             total += W[i]
     return total, start_req, done_req
 
