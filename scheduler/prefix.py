@@ -52,13 +52,9 @@ class BlockLRU:
     def match(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks``, from the first, are held (the longest cached prefix);
         those are refreshed."""
-        n = 0
-        held = self._blocks
-        for b in blocks:
-            if b not in held:
-                break
-            held.move_to_end(b)
-            n += 1
+        n = self.peek(blocks)
+        for b in blocks[:n]:
+            self._blocks.move_to_end(b)
         return n
 
     def insert(self, blocks: Sequence[int]) -> None:

@@ -147,7 +147,7 @@ class GoRouting(GlobalPolicy):
         tie = [(e.exec, p.n_decode, p.id) for e, p in zip(ests, prefills)]
         # line 13's "most idle": as written the least backlog; schedule-aware, req's own wait less
         # the prefill its cached prefix saves there (the prefix index; 0 without one)
-        light = [e.exec if e.start != e.start else e.start - e.saved for e in ests]
+        light = [w - e.saved for w, e in zip(wait, ests)]
         delta_max = max(e.delta for e in ests)
         # line 8; the relative slack absorbs float noise in sums of equal weights
         thr = self.alpha * delta_max - 1e-9 * abs(delta_max)
