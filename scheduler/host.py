@@ -258,7 +258,7 @@ class RouterHost:
         self.qmap.remove(at[0], req, now)
         if self.colocated:
             at[1] = True                      # it decodes where it was prefilled: n_d += 1
-            self.qmap.decode_started(at[0])
+            self.qmap.decode_started(at[0], req.prompt_len)
         else:
             del self._at[req.id]              # its KV moved to a decode instance
 
@@ -270,7 +270,7 @@ class RouterHost:
             return
         if at[1]:
             at[1] = False
-            self.qmap.decode_finished(at[0])
+            self.qmap.decode_finished(at[0], req.prompt_len)
             self.qmap.add(at[0], req, now)
 
     def released(self, req: Request, now: float) -> None:
@@ -279,7 +279,7 @@ class RouterHost:
         if at is None:
             return
         if at[1]:
-            self.qmap.decode_finished(at[0])
+            self.qmap.decode_finished(at[0], req.prompt_len)
         else:
             self.qmap.remove(at[0], req, now)
 

@@ -303,6 +303,8 @@ class Simulator:
                 return
         for d, st in zip(self.decoders, self.d_states):
             st.free_blocks = d.free_blocks
+        for inst, st in zip(self.front, self.p_states):   # what vLLM's kv_cache_usage_perc reports
+            st.kv_usage = 1.0 - inst.free_blocks / inst.total_blocks
         p, d = self.router.route(r, prefills, self.d_states, now)
         inst = self.front[p.id]
         need = math.ceil((r.prompt_len + 1) / self.block_size)

@@ -19,6 +19,7 @@ from proserve.scheduler.registry import global_names
 from proserve.scheduler.routing.base import COLOCATED, DISAGGREGATED, DecodeInstance, PrefillInstance, PrefillQueueMap
 from proserve.scheduler.routing.estimates import estimate_exec, estimate_gain, evaluate
 from proserve.scheduler.routing.go_routing import GoRouting
+from proserve.scheduler.host import RouterHost
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=0.01)
 GAIN = GainConfig()
@@ -368,6 +369,30 @@ def test_queue_map_add_remove_updates_ts_and_version():
     qm.decode_started(0)
     qm.decode_finished(0)
     assert ps[0].n_decode == 1
+
+
+def test_decode_kv_follows_the_running_decodes():
+    """Co-located, b_d (Eq. 8's n_d·b_d) is priced at the mean KV length of the decodes
+    running on the instance, not a fixed 1,024 tokens: with 15k-token prompts a fixed b_d
+    made an instance's decodes look ~10× lighter than they are."""
+    ps, qm = cluster(0, 0)
+    p = ps[0]
+    assert p.avg_decode_kv == 1024.0                 # nothing reported yet: the default
+    qm.decode_started(0, 16000)
+    qm.decode_started(0, 2000)
+    assert p.n_decode == 2 and p.avg_decode_kv == 9000.0
+    qm.decode_finished(0, 16000)
+    assert p.n_decode == 1 and p.avg_decode_kv == 2000.0
+    qm.decode_finished(0, 2000)
+    qm.decode_finished(0, 2000)                      # a repeated end changes nothing
+    assert p.n_decode == 0 and p.decode_kv == 0.0
+    host = RouterHost(make_global("min_load", deployment=COLOCATED), ps)
+    r = req("long", 12000)
+    host.dispatched(r, 1, 0.0)
+    host.prefill_finished(r, 0.5)                    # it now decodes on 1 with its prompt's KV
+    assert ps[1].n_decode == 1 and ps[1].avg_decode_kv == 12000.0
+    host.finished(r, 9.0)
+    assert ps[1].n_decode == 0 and ps[1].decode_kv == 0.0
 
 
 def test_snapshot_cache_follows_queue_changes():

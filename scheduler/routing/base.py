@@ -48,7 +48,11 @@ class PrefillInstance:
     queue: list[Request] = field(default_factory=list)  # PrefillQueueMap[p]
     ts: float = 0.0                                     # ts_p: time of last queue update
     n_decode: int = 0                                   # n_d (co-located only)
-    avg_decode_kv: float = 1024.0                       # kv length used for b_d (co-located)
+    #: co-located: the mean KV length of the decodes running there, for b_d = T~_d(avg_decode_kv)
+    #: (Eq. 8's n_d·b_d); kept by :meth:`PrefillQueueMap.decode_started` / ``decode_finished``
+    #: from each decode's prompt length, this value until the first decode is reported
+    avg_decode_kv: float = 1024.0
+    decode_kv: float = 0.0         # co-located: the KV tokens of the decodes running there (sum)
     healthy: bool = True
     #: the order its local policy serves its queue in, as the router models it (LocalPolicy.router_order;
     #: routing.estimates.ORDERS): what a schedule-aware ESTIMATEGAIN assumes; "deadline" is the paper's
@@ -58,6 +62,9 @@ class PrefillInstance:
     prefix: BlockLRU | None = None
     cache_tokens: int = 0          # KV tokens the instance can cache (0: no index)
     block_size: int = 16           # its KV block size (hits are whole blocks)
+    #: fraction of its KV blocks in use as last reported (vLLM's ``vllm:kv_cache_usage_perc``);
+    #: None: not reported. Read by the cache-aware baselines that score KV utilisation.
+    kv_usage: float | None = None
     # (l_q, l_kv) of each queued request's prefill as known at dispatch, keyed by request id:
     # the global scheduler sees dispatches and completions, not chunk progress (§4.3), so
     # its work estimate is frozen here and timestamp lag compensation accounts for progress.
@@ -122,12 +129,28 @@ class PrefillQueueMap:
         p.version += 1
         p.ts = now
 
-    def decode_started(self, inst_id: int) -> None:
-        self._by_id[inst_id].n_decode += 1
-
-    def decode_finished(self, inst_id: int) -> None:
+    def decode_started(self, inst_id: int, kv: float | None = None) -> None:
+        """Co-located: a request starts decoding on ``inst_id`` with ``kv`` tokens of KV (its
+        prompt; None: the instance's current mean). ``n_d += 1``, and the mean KV length of its
+        decodes, which prices b_d in Eq. 8, follows: with long prompts (the Mooncake trace's
+        15k tokens) a fixed b_d at 1,024 tokens made an instance's decodes look ~10× lighter
+        than they are (docs/results.md §2.3)."""
         p = self._by_id[inst_id]
-        p.n_decode = max(0, p.n_decode - 1)
+        p.n_decode += 1
+        p.decode_kv += p.avg_decode_kv if kv is None else kv
+        p.avg_decode_kv = p.decode_kv / p.n_decode
+
+    def decode_finished(self, inst_id: int, kv: float | None = None) -> None:
+        """Co-located: a decode on ``inst_id`` ended (``kv`` as reported when it started)."""
+        p = self._by_id[inst_id]
+        if p.n_decode <= 0:
+            return
+        p.n_decode -= 1
+        p.decode_kv = max(0.0, p.decode_kv - (p.avg_decode_kv if kv is None else kv))
+        if p.n_decode:
+            p.avg_decode_kv = p.decode_kv / p.n_decode
+        else:
+            p.decode_kv = 0.0
 
 
 class GlobalPolicy(ABC):

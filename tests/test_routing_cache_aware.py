@@ -1,0 +1,184 @@
+"""The cache-aware routers users would pick instead of GoRouting (issue 14):
+SGLang's cache_aware, llm-d's weighted scorers and Dynamo's KV cost, each on hand-made
+router views (PrefillQueueMap with a prefix index) whose right answer is worked out here.
+
+Latency model: prefill 1 ms per token, 10 ms per step, decode 1 ms; KV blocks of 16
+tokens; prefix blocks of 64 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from proserve.scheduler import ConfigError, Estimator, LatencyModel, Request
+from proserve.scheduler.registry import make_global
+from proserve.scheduler.routing.base import COLOCATED, PrefillInstance, PrefillQueueMap
+from proserve.scheduler.baselines.llmd_scorers import kv_usage
+
+MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=0.01)
+
+
+def req(rid, prompt, blocks=(), arrival=0.0):
+    return Request(rid, "high", 2.0, 10.0, 1.0, arrival, prompt, output_len=8,
+                   prefix_blocks=tuple(blocks), prefix_block_tokens=64 if blocks else 0)
+
+
+def cluster(n=3, cache_tokens=64 * 100):
+    insts = [PrefillInstance(i, Estimator(MODEL), cache_tokens=cache_tokens, block_size=16) for i in range(n)]
+    return insts, PrefillQueueMap(insts)
+
+
+def warm(qm, inst, rid, prompt, blocks):
+    """Dispatch one request to ``inst`` (its blocks enter the index) and finish its prefill."""
+    r = req(rid, prompt, blocks)
+    qm.add(inst, r, 0.0)
+    qm.remove(inst, r, 0.0)
+
+
+def queue(qm, inst, k, prompt=640):
+    for j in range(k):
+        qm.add(inst, req(f"q{inst}-{j}", prompt), 0.0)
+
+
+# -- SGLang cache_aware ---------------------------------------------------------------------------
+
+def test_sglang_takes_the_longest_match_above_the_threshold():
+    insts, qm = cluster()
+    warm(qm, 1, "w", 640, range(10))            # instance 1 holds blocks 0..9
+    queue(qm, 1, 3)                              # and is busier (3 in flight), within the thresholds
+    pol = make_global("sglang_cache_aware", deployment=COLOCATED)
+    r = req("r", 640, range(10))                 # 639 // 16 * 16 = 624 of 640 cached: 0.975 > 0.3
+    assert pol.route(r, insts)[0].id == 1 and pol.last_branch == "cache"
+
+
+def test_sglang_below_the_threshold_picks_the_emptiest_cache():
+    insts, qm = cluster()
+    warm(qm, 0, "a", 640, range(10))
+    warm(qm, 1, "b", 640, range(100, 102))       # instance 1 holds 2 blocks, 2 none, 0 ten
+    pol = make_global("sglang_cache_aware", deployment=COLOCATED, cache_threshold=0.5)
+    r = req("r", 640, [0, 1, 2, 50, 51, 52, 53, 54, 55, 56])   # 3 of 10 blocks on 0: 0.3 <= 0.5
+    assert pol.route(r, insts)[0].id == 2 and pol.last_branch == "room"
+
+
+def test_sglang_imbalance_overrides_the_cache():
+    insts, qm = cluster()
+    warm(qm, 1, "w", 640, range(10))
+    queue(qm, 1, 6)
+    queue(qm, 0, 1)
+    queue(qm, 2, 2)                              # in flight: 1, 6, 2
+    r = req("r", 640, range(10))
+    loose = make_global("sglang_cache_aware", deployment=COLOCATED)    # 6 - 1 <= 64: balanced
+    assert loose.route(r, insts)[0].id == 1 and loose.last_branch == "cache"
+    tight = make_global("sglang_cache_aware", deployment=COLOCATED, balance_abs=4, balance_rel=1.5)
+    assert tight.route(r, insts)[0].id == 0 and tight.last_branch == "balance"   # 5 > 4 and 6 > 1.5
+    rel = make_global("sglang_cache_aware", deployment=COLOCATED, balance_abs=4, balance_rel=10)
+    assert rel.route(r, insts)[0].id == 1        # both conditions are needed: 6 <= 10·1
+    insts[1].n_decode = 0
+    insts[0].n_decode = 9                        # co-located, running decodes are in flight too
+    assert tight.route(r, insts)[0].id == 2      # in flight: 10, 6, 2
+
+
+# -- llm-d scorers --------------------------------------------------------------------------------
+
+def test_llmd_weighs_prefix_queue_and_kv_as_published():
+    insts, qm = cluster()
+    warm(qm, 1, "w", 640, range(10))
+    queue(qm, 1, 2)                             # queues 0, 2, 1
+    queue(qm, 2, 1)
+    for p, u in zip(insts, (0.5, 0.0, 0.0)):
+        p.kv_usage = u
+    pol = make_global("llmd_scorers", deployment=COLOCATED)
+    r = req("r", 640, range(10))
+    p = pol.route(r, insts)[0]
+    # 0: 3·0 + 2·1 + 2·0.5 = 3;  1: 3·0.975 + 2·0 + 2·1 = 4.925;  2: 0 + 2·0.5 + 2·1 = 3
+    assert pol.last_scores[0] == pytest.approx(3.0) and pol.last_scores[2] == pytest.approx(3.0)
+    assert pol.last_scores[1] == pytest.approx(3 * 624 / 640 + 2.0) and p.id == 1
+    no_prefix = make_global("llmd_scorers", deployment=COLOCATED, prefix=0)
+    assert no_prefix.route(r, insts)[0].id in (0, 2)        # a tie, broken at random (seeded)
+    picks = {make_global("llmd_scorers", deployment=COLOCATED, prefix=0, seed=s).route(r, insts)[0].id
+             for s in range(20)}
+    assert picks == {0, 2}
+
+
+def test_llmd_kv_usage_falls_back_to_the_routers_view():
+    insts, qm = cluster(cache_tokens=10_000)
+    queue(qm, 0, 2, prompt=1000)                # 2000 queued tokens
+    insts[0].n_decode, insts[0].avg_decode_kv = 3, 1000.0
+    assert kv_usage(insts[0]) == pytest.approx(0.5)
+    insts[0].kv_usage = 0.1
+    assert kv_usage(insts[0]) == 0.1            # reported beats estimated
+    assert kv_usage(PrefillInstance(9, Estimator(MODEL))) == 0.0   # no capacity known, no queue
+
+
+# -- Dynamo KV cost -------------------------------------------------------------------------------
+
+def test_dynamo_logit_is_overlap_weighted_prefill_plus_active_blocks():
+    insts, qm = cluster()
+    warm(qm, 1, "w", 640, range(10))
+    queue(qm, 1, 1, prompt=480)                 # instance 1: its cache, and 480 queued tokens
+    r = req("r", 640, range(10))                # 624 of its 640 tokens cached on 1
+    pol = make_global("dynamo_kv", deployment=COLOCATED)
+    assert pol.route(r, insts)[0].id in (0, 2)
+    # 0 and 2: prefill 640/16 = 40 blocks, active 640/16 = 40: 80
+    # 1: prefill (480 + 16)/16 = 31, active (480 + 640)/16 = 70: 101
+    assert pol.last_logits == pytest.approx({0: 80.0, 1: 101.0, 2: 80.0})
+    ttft_first = make_global("dynamo_kv", deployment=COLOCATED, overlap_weight=4)   # 200 vs 4·31 + 70 = 194
+    assert ttft_first.route(r, insts)[0].id == 1
+    insts[1].n_decode = 1                       # co-located: a running decode's KV (1024 tokens) is active
+    assert ttft_first.route(r, insts)[0].id in (0, 2)
+    assert ttft_first.last_logits[1] == pytest.approx(194 + 64)
+
+
+def test_dynamo_temperature_samples_and_bad_parameters_are_refused():
+    insts, qm = cluster()
+    queue(qm, 0, 1, prompt=6400)
+    r = req("r", 640)
+    picks = [make_global("dynamo_kv", temperature=1.0, seed=s).route(r, insts)[0].id for s in range(60)]
+    assert set(picks) == {0, 1, 2} and picks.count(0) < picks.count(1) + picks.count(2)
+    for name, bad in (("dynamo_kv", {"overlap_weight": -1}), ("dynamo_kv", {"temperature": -0.1}),
+                      ("llmd_scorers", {"queue": -1}), ("sglang_cache_aware", {"cache_threshold": 1.5}),
+                      ("sglang_cache_aware", {"balance_rel": 0.5}), ("sglang_cache_aware", {"nope": 1})):
+        with pytest.raises(ConfigError):
+            make_global(name, **bad)
+
+
+@pytest.mark.parametrize("name", ["sglang_cache_aware", "llmd_scorers", "dynamo_kv"])
+def test_without_an_index_each_still_routes_every_request(name):
+    """No prefix index (cache_tokens 0) and requests without blocks: each baseline falls back to
+    its load terms and never fails."""
+    insts, qm = cluster(cache_tokens=0)
+    pol = make_global(name, deployment=COLOCATED)
+    for j in range(30):
+        r = req(f"r{j}", 100 + 37 * j, blocks=range(j % 3) if j % 2 else ())
+        p = pol.route(r, insts)[0]
+        qm.add(p.id, r, 0.0)
+    assert sum(len(p.queue) for p in insts) == 30
+    assert max(len(p.queue) for p in insts) - min(len(p.queue) for p in insts) <= 10
+
+
+@pytest.mark.parametrize("name", ["sglang_cache_aware", "llmd_scorers", "dynamo_kv"])
+def test_in_the_simulator_each_keeps_conversations_on_their_cache(name):
+    """Three conversations whose turns extend their prefix, round-robin cycles each through
+    every instance; a cache-aware router keeps each on the instance that holds it. The
+    simulator reports each instance's KV use to the router (llm-d's KV scorer reads it)."""
+    from proserve.scheduler import GainConfig
+    from proserve.sim.cluster import SimConfig, Simulator
+    model = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=0.01,
+                         metadata={"block_size": 16, "num_kv_blocks": 4096})
+
+    def reqs():
+        out = []
+        for k in range(39):
+            conv, turn = k % 3, k // 3
+            blocks = [1000 * conv + j for j in range(4 + turn)]
+            out.append(Request(f"r{k}", "high", 2.0, 10.0, 1.0, 0.4 * k, 64 * len(blocks), output_len=3,
+                               prefix_blocks=tuple(blocks), prefix_block_tokens=64))
+        return out
+    hits = {}
+    for glob in (name, "round_robin"):
+        sim = Simulator(model, SimConfig(instances=4, global_policy=glob), GainConfig())
+        res = sim.run(reqs())
+        assert all(r.finished for r in res.requests)
+        hits[glob] = res.prefix_hit_tokens / res.prefix_prompt_tokens
+        assert all(p.kv_usage is not None and 0.0 <= p.kv_usage <= 1.0 for p in sim.p_states)
+    assert hits[name] > hits["round_robin"] + 0.2, hits
