@@ -2,7 +2,10 @@
 dispatcher on its own (not a serving engine: it computes nothing).
 
 It answers the endpoints the dispatcher uses — ``/health``, ``/v1/models``,
-``/metrics`` (``proserve:beta``, vLLM's KV-cache gauges), ``/tokenize``,
+``/metrics`` (``proserve:beta``, vLLM's KV-cache gauges: ``vllm:cache_config_info``
+with ``num_blocks`` × ``block_size`` and ``enable_prefix_caching``,
+``vllm:kv_cache_usage_perc`` = ``usage``), ``/tokenize`` (one made-up token id
+per word, the same for the same word),
 ``/v1/completions`` and ``/v1/chat/completions``, streamed or not — in vLLM's
 formats, with made-up tokens after a configurable delay (``prefill_s`` per
 request plus ``prefill_s_per_token``, then ``decode_s`` per token; an unstreamed
@@ -29,6 +32,9 @@ More knobs for the dispatcher's failure handling:
 * ``kv_error`` (and ``kv_failed_dest``): a prefill leg (``do_remote_decode``)
   answers that its KV push failed, in the format of the real workers'
   ``kv_transfer_params``; on success it answers ``do_remote_prefill`` as they do;
+* ``hold``: an asyncio.Event every generation request waits for (after being
+  recorded in ``received``) before it is answered; ``metrics_text``: what
+  ``/metrics`` answers instead of its usual page;
 * ``pad_bytes``: that much filler text in every streamed chunk, and per token
   in an unstreamed answer (large answers for back-pressure tests);
   ``tokens_written`` counts the chunks written;
@@ -44,12 +50,20 @@ import argparse
 import asyncio
 import json
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 MODEL = "fake-model"
+VOCAB = 32000
+
+
+def word_id(word: str) -> int:
+    """A made-up token id per word (one token per word), stable across processes: equal texts
+    have equal ids, so prompts sharing words share token prefixes (the dispatcher's prefix index)."""
+    return 4 + zlib.crc32(word.encode()) % (VOCAB - 4)
 
 
 @dataclass
@@ -65,6 +79,7 @@ class FakeWorker:
     num_blocks: int = 1000
     block_size: int = 16
     usage: float = 0.0
+    prefix_caching: bool = True     # what its vllm:cache_config_info reports (vLLM's default: on)
     fail: str | None = None
     fail_if: Callable[[dict], bool] | None = None   # fail only the generation requests it picks
     drop_next: int = 0              # close the connection of the next N generation requests (only those)
@@ -75,6 +90,8 @@ class FakeWorker:
     kv_error: str | None = None
     kv_failed_dest: str | None = None
     pad_bytes: int = 0
+    hold: asyncio.Event | None = None   # generation requests wait for it (tests: keep requests in flight)
+    metrics_text: str | None = None     # /metrics answers this instead (malformed-answer tests)
     keep_bodies: bool = True
     received: list = field(default_factory=list)
     auth_seen: list = field(default_factory=list)
@@ -112,18 +129,25 @@ class FakeWorker:
     async def metrics(self, request):
         if self.metrics_delay_s:
             await asyncio.sleep(self.metrics_delay_s)
+        if self.metrics_text is not None:
+            return web.Response(text=self.metrics_text)
         return web.Response(text=(
             f'proserve:beta{{policy="slide_batching"}} {self.beta}\n'
-            f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0\n'
+            f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching='
+            f'"{self.prefix_caching}",num_gpu_blocks="{self.num_blocks}"}} 1.0\n'
             f'vllm:kv_cache_usage_perc{{engine="0"}} {self.usage}\n'))
 
     async def tokenize(self, request):
         body = await request.json()
         if "messages" in body:
-            n = sum(len(str(m.get("content", "")).split()) + 3 for m in body["messages"]) + 1
+            # a made-up chat template: 3 tokens around each message (its role), 1 to start the answer
+            ids = []
+            for m in body["messages"]:
+                ids += [1, 2, word_id(str(m.get("role", "")))] + [word_id(w) for w in str(m.get("content", "")).split()]
+            ids.append(3)
         else:
-            n = len(str(body.get("prompt", "")).split())
-        return web.json_response({"count": n, "max_model_len": self.max_model_len, "tokens": list(range(n))})
+            ids = [word_id(w) for w in str(body.get("prompt", "")).split()]
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
     async def completions(self, request):
         return await self._generate(request, chat=False)
@@ -155,6 +179,8 @@ class FakeWorker:
         body = await request.json()
         if self.keep_bodies:
             self.received.append(body)
+        if self.hold is not None:
+            await self.hold.wait()
         fail = self.fail if self.fail_if is None or self.fail_if(body) else None
         if fail == "500" and not self.fail_after_tokens:
             return web.json_response({"error": {"message": "fake failure", "code": 500}}, status=500)

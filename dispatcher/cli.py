@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-key-file", metavar="PATH",
                     help="file holding the API key the workers demand (sent as 'Authorization: Bearer' on "
                          "every call to them); default: $PROSERVE_WORKER_API_KEY if set, else no key")
+    ap.add_argument("--no-prefix-index", dest="prefix_index", action="store_false", default=None,
+                    help="keep no index of the prefill workers' prefix caches: route as if no prompt were "
+                         "cached (default: an index of the prompts' KV blocks routed to each worker, sized by "
+                         "its KV memory from its /metrics, so GoRouting and the cache-aware policies weigh the "
+                         "prefix a request would find there; config: prefix_index = false)")
     ap.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
                     help="at start, wait up to this long for every instance to answer (default: don't)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -132,7 +137,7 @@ def config_from_args(args) -> DispatcherConfig:
                        ("max_concurrent_per_key", "max_concurrent_per_key"),
                        ("max_queued_requests", "max_queued_requests"), ("max_queued_tokens", "max_queued_tokens"),
                        ("shutdown_timeout_s", "shutdown_timeout"),
-                       ("worker_api_key_file", "worker_key_file")):
+                       ("worker_api_key_file", "worker_key_file"), ("prefix_index", "prefix_index")):
         v = getattr(args, flag)
         if v is not None:
             setattr(cfg, attr, v)

@@ -27,6 +27,8 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       stream_queue_events = 64      # events buffered per stream before the upstream read waits
       shutdown_timeout_s = 30.0     # on SIGINT/SIGTERM, requests in progress get this long to finish
       worker_api_key_file = "worker.key"  # optional: the key the workers demand (relative: to this file)
+      prefix_index = true           # keep an index of each prefill worker's prefix cache from the
+                                    # prompts routed there (issue 14); false: route as if none caches
       [global_params]               # keyword arguments of the policy, e.g. alpha = 0.9
       [gain]                        # TDG weights (Eq. 3): w_p, w_d; deadline = "fixed" | "ttft_anchored"
       w_p = 1.0
@@ -151,6 +153,10 @@ class DispatcherConfig:
     shutdown_timeout_s: float = 30.0       # on shutdown, how long requests in progress may still run
     worker_api_key_file: str | None = None  # file holding the key the workers demand (else $PROSERVE_WORKER_API_KEY)
     record_requests: str | None = None     # JSONL of per-request records
+    # the router's approximate index of each prefill worker's prefix cache (issue 14): the prefix
+    # blocks of the prompts routed there, as many as its KV memory holds (from its /metrics);
+    # queued work is priced net of the prefix expected there (routing.base.expected_hit)
+    prefix_index: bool = True
     seed: int = 0
 
     def validate(self, where: str = "config") -> None:
@@ -170,6 +176,7 @@ class DispatcherConfig:
             validate.positive(where, f"dispatcher.{k}", getattr(self, k))
         for k in ("health_failures", "max_concurrent", "max_concurrent_per_key", "stream_queue_events"):
             validate.integer(where, f"dispatcher.{k}", getattr(self, k))
+        validate.boolean(where, "dispatcher.prefix_index", self.prefix_index)
         v = self.worker_api_key_file
         if v is not None and (not isinstance(v, str) or not v):
             validate.fail(where, "dispatcher.worker_api_key_file", "a file path", v)
@@ -286,7 +293,7 @@ _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_clas
                     "request_timeout_s", "stream_idle_timeout_s", "max_body_mb", "header_timeout_s",
                     "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",
                     "max_queued_requests", "max_queued_tokens",
-                    "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed"}
+                    "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed", "prefix_index"}
 #: keys renamed since: a config file using the old name gets an error naming the new one
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
 _TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode"}

@@ -16,7 +16,11 @@ worker's:
   ``proserve:step_offset_seconds`` (its online correction, §4.1: a step takes
   β·T_pd + δ; :func:`correction_of`) correct the dispatcher's copy of its
   latency model, so GoRouting's estimates (Alg. 2) follow the engine's
-  measured speed; a
+  measured speed; its KV cache (``vllm:cache_config_info``'s ``num_gpu_blocks``,
+  ``block_size`` and ``enable_prefix_caching``, and ``vllm:kv_cache_usage_perc``:
+  :func:`cache_info`) sizes the router's index of its prefix cache
+  (``PrefillInstance.cache_tokens``, issue 14; none until read, none with
+  ``prefix_index = false`` or a worker that caches no prefixes); a
   decode worker's free KV blocks (``proserve.decode.status``) feed the decode pick
   (Alg. 2 line 20; between scrapes the dispatcher subtracts the blocks of each
   request it sends there, so a burst does not all land on one worker). A slow
@@ -30,7 +34,8 @@ candidate set, and every request in flight on it is told at once
 (:meth:`Worker.mark_down` cancels their upstream calls), so none waits for a
 timeout. An established connection that breaks (reset, closed mid-answer) has
 it checked at once (:meth:`Registry.suspect`). It rejoins by itself after its
-next good check.
+next good check. A prefill worker marked down loses its prefix index (a restarted
+engine's cache is empty): the index starts over from the requests routed there next.
 """
 
 from __future__ import annotations
@@ -58,7 +63,13 @@ logger = logging.getLogger("proserve.dispatcher")
 
 _BETA = re.compile(r'^proserve:beta(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$', re.M)
 _DELTA = re.compile(r'^proserve:step_offset_seconds(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$', re.MULTILINE)
-_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
+# the whole label set of the line (values may hold braces), then each name="value" in it
+# (Prometheus escapes \\, \" and \n inside values)
+_CACHE_CONFIG = re.compile(r'^vllm:cache_config_info\{(.*)\}[ \t]+\S+[ \t]*$', re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\\n]|\\.)*)"')
+_USAGE = re.compile(r'^vllm:kv_cache_usage_perc(?:\{[^}\n]*\})?[ \t]+(\S+)[ \t]*$', re.MULTILINE)
+#: a block count or block size above this is a bad answer (ignored), not a cache to index
+_MAX_CACHE_INT = 1 << 40
 #: a /metrics page larger than this is refused (vLLM's is a few hundred kB)
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
 #: of a /health answer or an error answer only this much is read (a message at most)
@@ -128,6 +139,11 @@ class PrefillWorker(Worker):
     def delta(self) -> float:
         return self.state.estimator.delta
 
+    def mark_down(self, why: str) -> None:
+        super().mark_down(why)
+        if self.state is not None:
+            self.state.prefix = None   # its cache may not outlive this (a restart): the index starts over
+
 
 @dataclass
 class DecodeWorker(Worker):
@@ -153,6 +169,57 @@ def correction_of(text: str) -> tuple[float, float] | None:
     if not math.isfinite(delta):
         raise ValueError(f"proserve:step_offset_seconds {m.group(1)!r} is not a finite number")
     return beta, delta
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What a vLLM worker's /metrics says of its KV cache; None where it says nothing usable."""
+
+    num_blocks: int | None = None         # vllm:cache_config_info{num_gpu_blocks="N"} (the pool, CPU too)
+    block_size: int | None = None         # ... {block_size="B"}, tokens per block
+    prefix_caching: bool | None = None    # ... {enable_prefix_caching="True"|"False"}
+    usage: float | None = None            # vllm:kv_cache_usage_perc, the fraction in use, in [0, 1]
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens the worker can cache (num_gpu_blocks x block_size); 0 when unknown or
+        when the worker reports prefix caching off."""
+        if self.num_blocks is None or self.block_size is None or self.prefix_caching is False:
+            return 0
+        return self.num_blocks * self.block_size
+
+
+def _label_int(labels: dict, key: str) -> int | None:
+    v = labels.get(key, "")
+    if not v.isascii() or not v.isdigit() or len(v) > 15:
+        return None
+    n = int(v)
+    return n if 0 < n <= _MAX_CACHE_INT else None
+
+
+def cache_info(text: str) -> CacheInfo:
+    """The KV cache a vLLM /metrics page describes (vLLM's ``CacheConfig.metrics_info`` labels
+    on ``vllm:cache_config_info``, and ``vllm:kv_cache_usage_perc``; the first sample of each,
+    as :mod:`proserve.decode.status` reads them). Never raises: a missing or malformed value
+    is None (a block count or size that is not a positive integer, a usage that is not a
+    finite number; a usage outside [0, 1] is clamped)."""
+    num_blocks = block_size = prefix_caching = usage = None
+    m = _CACHE_CONFIG.search(text)
+    if m is not None:
+        labels = dict(_LABEL.findall(m.group(1)))
+        num_blocks = _label_int(labels, "num_gpu_blocks")
+        block_size = _label_int(labels, "block_size")
+        pc = labels.get("enable_prefix_caching")
+        prefix_caching = {"true": True, "false": False}.get(pc.lower()) if pc is not None else None
+    m = _USAGE.search(text)
+    if m is not None:
+        try:
+            u = float(m.group(1))
+        except ValueError:
+            u = math.nan
+        if math.isfinite(u):
+            usage = min(max(u, 0.0), 1.0)
+    return CacheInfo(num_blocks, block_size, prefix_caching, usage)
 
 
 def _estimator(spec: PrefillSpec) -> Estimator:
@@ -257,15 +324,15 @@ class Registry:
                     raise _ScrapeError("bad_status", f"HTTP {r.status}")
                 text = (await read_capped(r, _MAX_METRICS_BYTES)).decode("utf-8", "replace")
             if isinstance(w, PrefillWorker):
+                self._adopt_cache(w.state, cache_info(text))   # first: a bad β below keeps it
                 corr = correction_of(text)
                 if corr is not None:
                     w.state.estimator.adopt(*corr)
             elif isinstance(w, DecodeWorker):
                 free = free_kv_blocks(text)
-                m = _BLOCK_SIZE.search(text)
-                block_size = int(m.group(1)) if m else w.block_size
+                block_size = cache_info(text).block_size
                 w.state.free_blocks = free
-                if block_size > 0:
+                if block_size:
                     w.block_size = block_size
             return True
         except _ScrapeError as e:
@@ -279,6 +346,32 @@ class Registry:
         self._owner.metrics.scrape_failures.labels(w.name, reason).inc()
         logger.debug("%s worker %s: /metrics scrape failed (%s), keeping the previous stats", w.role, w.name, why)
         return False
+
+    def _adopt_cache(self, p: PrefillInstance, info: CacheInfo) -> None:
+        """The router's view of a prefill worker's KV cache: its block size, its usage, and
+        the capacity of its prefix index (``cache_tokens``; 0, no index, with
+        ``prefix_index = false``). A capacity or block size that changed (a restarted
+        worker, caching turned off) drops the index: it starts over. What the page does not
+        report (or reports malformed) keeps its previous value, as a failed scrape does."""
+        if info.usage is not None:
+            p.kv_usage = info.usage
+        if info.num_blocks is None or info.block_size is None:
+            return
+        cap = info.capacity_tokens if self.cfg.prefix_index else 0
+        block_size = info.block_size
+        if cap != p.cache_tokens or block_size != p.block_size:
+            p.cache_tokens, p.block_size, p.prefix = cap, block_size, None
+
+    def prefix_block_tokens(self) -> int:
+        """Tokens per prefix block the dispatcher hashes prompts in (``Request.prefix_block_tokens``):
+        the KV block size of the prefill workers that keep an index (the gcd of theirs if they
+        differ, so a run of blocks is whole blocks on each); 0 while none does (no index yet,
+        or ``prefix_index = false``): requests then carry no prefix blocks."""
+        size = 0
+        for w in self.prefill:
+            if w.state.cache_tokens:
+                size = math.gcd(size, w.state.block_size)
+        return size
 
     @staticmethod
     def _sync(w: Worker) -> None:
@@ -382,6 +475,10 @@ class Registry:
                 d["queued"] = len(w.state.queue)
                 d["beta"] = round(w.beta, 4)
                 d["step_offset_s"] = round(w.delta, 6)
+                d["cache_tokens"] = w.state.cache_tokens
+                d["prefix_index_blocks"] = len(w.state.prefix) if w.state.prefix is not None else 0
+                if w.state.kv_usage is not None:
+                    d["kv_usage"] = round(w.state.kv_usage, 4)
             elif isinstance(w, DecodeWorker):
                 d["free_kv_blocks"] = w.state.free_blocks
             d["inflight"] = len(w.inflight)

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from proserve.scheduler.prefix import block_ids
 from proserve.scheduler.request import Request
 
 from .auth import Grant
@@ -45,6 +46,9 @@ class Job:
     want_token_ids: bool            # the client asked for return_token_ids
     want_usage: bool                # streamed: the client asked for a usage chunk
     prompt_len: int = 0
+    #: the prompt's token ids as the engines see them (the client's, or the workers' /tokenize),
+    #: for its prefix blocks; None: not known. Dropped once the scheduler's view is built
+    tokens: list[int] | None = None
     sreq: Request | None = None     # the scheduler's view (PrefillQueueMap entry, TDG scoring)
     record: dict = field(default_factory=dict)
     #: admission control's decision, once taken (Dispatcher._admit): the ids of the instances
@@ -179,6 +183,7 @@ def make_job(path: str, body: dict, grant: Grant, arrival: float, model: str | N
               want_token_ids=bool(body.get("return_token_ids")), want_usage=want_usage)
     if prompt_ids is not None:
         job.prompt_len = len(prompt_ids)
+        job.tokens = prompt_ids
     return job
 
 
@@ -195,11 +200,22 @@ def check_context(job: Job, max_model_len: int | None) -> None:
                        param="messages" if job.is_chat else "prompt", code="context_length_exceeded")
 
 
-def scheduler_request(job: Job) -> Request:
+def scheduler_request(job: Job, block_tokens: int = 0) -> Request:
+    """The scheduler's view of ``job``. With ``block_tokens`` (the prefill workers' KV block
+    size, :meth:`Registry.prefix_block_tokens`; 0: no prefix index) and the prompt's token ids
+    known, it carries the prompt's prefix block ids (:func:`proserve.scheduler.prefix.block_ids`,
+    vLLM's hash chain over full blocks), for the router's prefix-cache index."""
     g = job.grant
+    blocks: tuple[int, ...] = ()
+    if block_tokens > 0 and job.tokens:
+        try:
+            blocks = block_ids(job.tokens, block_tokens)
+        except ValueError:   # an id outside [0, 2**64): the engine rejects it; no prefix to index
+            blocks = ()
     return Request(id=job.id, priority=g.cls.name, weight=g.cls.weight, ttft_slo=g.ttft_slo,
                    tpot_slo=g.tpot_slo, arrival=job.arrival, prompt_len=max(1, job.prompt_len),
-                   output_len=max(1, job.max_tokens or 1))
+                   output_len=max(1, job.max_tokens or 1),
+                   prefix_blocks=blocks, prefix_block_tokens=block_tokens if blocks else 0)
 
 
 def prefill_body(job: Job, xfer: dict | None) -> dict:

@@ -228,7 +228,8 @@ class Dispatcher:
         if job.prompt_ids is None:
             await self._count_prompt(job)
         check_context(job, self.registry.max_model_len)
-        job.sreq = scheduler_request(job)
+        job.sreq = scheduler_request(job, self.registry.prefix_block_tokens())
+        job.tokens = None   # only its prefix blocks are kept (the body keeps a token-id prompt)
         job.record = {"id": job.id, "client": grant.client, "priority": grant.cls.name,
                       "weight": grant.cls.weight, "ttft_slo": grant.ttft_slo, "tpot_slo": grant.tpot_slo,
                       "arrival": arrival, "prompt_tokens": job.prompt_len, "stream": job.stream,
@@ -275,13 +276,20 @@ class Dispatcher:
             self._tokenize_rr += 1
             if status == 200:
                 try:
-                    count = json.loads(content)["count"]
+                    answer = json.loads(content)
+                    count = answer["count"]
                     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                         raise ValueError(f"count {count!r}")
                 except (ValueError, KeyError, TypeError, RecursionError) as e:
                     last = f"{w.name}: bad /tokenize answer: {type(e).__name__}: {e}"
                     continue
                 job.prompt_len = count
+                # vLLM's answer carries the ids too (TokenizeResponse.tokens): the prompt's prefix
+                # blocks for the router's cache index. Kept only when they match the count
+                # (block_ids checks each is an integer id); otherwise the request has no prefix blocks
+                tokens = answer.get("tokens") if isinstance(answer, dict) else None
+                if isinstance(tokens, list) and len(tokens) == count:
+                    job.tokens = tokens
                 return
             if status == 401:
                 self.registry.key_rejected(w, "/tokenize answered 401")

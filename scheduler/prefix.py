@@ -10,10 +10,14 @@ block before it, vLLM's hash chain) and skips their prefill: Eq. 5's ``l_q`` shr
 ``l_kv`` grows by that many tokens.
 
 Pure data structure: the simulator applies it, the router's cache index reuses it.
+:func:`block_ids` computes a prompt's block ids from its token ids (the dispatcher's).
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from typing import Sequence
 
@@ -78,3 +82,41 @@ def cached_tokens(req, held_blocks: int, block_size: int) -> int:
     hit = held_blocks * req.prefix_block_tokens
     most = (req.prompt_len - 1) // block_size * block_size
     return max(0, min(hit, most) // block_size * block_size)
+
+
+_ID_MASK = (1 << 63) - 1
+_PERSON = b"proserve-prefix"    # blake2b personalisation: these ids are ours, not vLLM's
+
+
+def block_ids(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """The prefix block ids of a prompt (``Request.prefix_blocks``), as vLLM's prefix cache
+    hashes blocks (``vllm.v1.core.kv_cache_utils.hash_block_tokens``): one id per FULL block of
+    ``block_size`` tokens (a partial last block has none), each a hash of its parent block's id
+    and its own token ids, so equal ids mean equal token prefixes. The hash is BLAKE2b over the
+    parent's 8-byte digest and the tokens packed as little-endian uint64, truncated to a 63-bit
+    int: stable across processes and runs (not Python's randomised ``hash``). The ids are not
+    vLLM's own (those depend on its hash function, seed and extra keys).
+
+    ``token_ids`` must be ints in [0, 2**64) (ValueError otherwise)."""
+    block_size = validate.integer("block_ids", "block_size", block_size, 1)
+    n = len(token_ids) // block_size
+    if n == 0:
+        return ()
+    try:
+        packed = array("Q", token_ids[:n * block_size])   # checks each id: an int in [0, 2**64)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"block_ids: token ids must be integers in [0, 2**64): {e}") from None
+    if packed.itemsize != 8:   # 'Q' is 8 bytes on every platform CPython supports; be sure
+        raise RuntimeError("array('Q') is not 64-bit here")
+    if sys.byteorder == "big":
+        packed.byteswap()      # the ids must not depend on the host's byte order
+    data = memoryview(packed).cast("B")
+    step = block_size * 8
+    parent = b""
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(parent, digest_size=8, person=_PERSON)
+        h.update(data[i * step:(i + 1) * step])
+        parent = h.digest()
+        out.append(int.from_bytes(parent, "little") & _ID_MASK)
+    return tuple(out)
