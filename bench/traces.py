@@ -26,7 +26,7 @@ the data are plausible and strict where the row is broken):
   optional ``hash_ids``): ``output_length == 0`` is clamped to 1, as for Azure.
   ``hash_ids`` names the prompt's blocks of :data:`MOONCAKE_BLOCK_TOKENS` tokens,
   first to last (equal ids: equal token prefixes); it is kept as
-  ``TraceRecord.hash_ids`` and must be a list of at most
+  ``TraceRecord.hash_ids`` (``TraceRecord.block_tokens`` = 512) and must be a list of at most
   ``ceil(input_length / 512)`` non-negative integers (fewer: the blocks not
   named are the request's own).
 * ShareGPT JSON: one record per conversation, from its first human turn that is
@@ -34,6 +34,11 @@ the data are plausible and strict where the row is broken):
   skipped. No timestamps: every arrival is 0 (callers assign arrivals, see
   :func:`proserve.bench.workloads.scale_to_rate`). Lengths come from ``tokenizer`` if
   given, else ``ceil(len(text) / 4)``; both are clamped to at least 1.
+  :func:`load_sharegpt_conversations` keeps every turn instead (multi-turn
+  workloads): a :class:`Conversation` per record, its turns the (human, gpt)
+  pairs from that first pair on while the roles keep alternating (the first
+  message that breaks the alternation ends it; a trailing unanswered human
+  message is dropped).
 """
 
 from __future__ import annotations
@@ -73,6 +78,19 @@ class TraceRecord:
     prompt_len: int
     output_len: int
     hash_ids: tuple[int, ...] = ()
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS   # tokens per hash_ids block (scaled by the load generator)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A multi-turn conversation: per turn, the token lengths of the user's new message and
+    of its answer. Turn ``k``'s prompt is turn ``k-1``'s prompt + its answer + message ``k``
+    (:func:`proserve.bench.workloads.conversation_requests` builds the requests)."""
+
+    id: str
+    turns: tuple[tuple[int, int], ...]   # (message tokens, answer tokens), first turn first
+    arrival: float = 0.0                 # the first turn's arrival, seconds
+    think_s: tuple[float, ...] = ()      # seconds from answer k-1 to message k, k = 1..; () = none
 
 
 class TraceError(ConfigError):
@@ -358,14 +376,7 @@ def _n_tokens(tokenizer: Callable[[str], object] | None, text: str) -> int:
     return max(1, v)
 
 
-def load_sharegpt(path: str | os.PathLike, limit: int | None = None,
-                  tokenizer: Callable[[str], object] | None = None) -> list[TraceRecord]:
-    """ShareGPT JSON: a list of ``{"id", "conversations": [{"from", "value"}, ...]}``.
-
-    ``tokenizer`` maps text to a token count (or to a list of token ids); without
-    one, lengths are ``ceil(len(text) / 4)``. Every arrival is 0.
-    """
-    _check_limit(limit)
+def _read_sharegpt(path) -> list:
     with _open(path) as f:
         try:
             data = json.load(f)
@@ -375,6 +386,23 @@ def load_sharegpt(path: str | os.PathLike, limit: int | None = None,
             raise TraceError(path, f"cannot read: {e}") from None
     if not isinstance(data, list):
         raise TraceError(path, f"expected a JSON list of conversations, got {type(data).__name__}")
+    return data
+
+
+def _record_error(path, rec, i: int, e: _RowError) -> TraceError:
+    rid = rec.get("id") if isinstance(rec, dict) else None
+    return TraceError(path, (f"(id {rid!r}) " if rid is not None else "") + str(e), record=i)
+
+
+def load_sharegpt(path: str | os.PathLike, limit: int | None = None,
+                  tokenizer: Callable[[str], object] | None = None) -> list[TraceRecord]:
+    """ShareGPT JSON: a list of ``{"id", "conversations": [{"from", "value"}, ...]}``.
+
+    ``tokenizer`` maps text to a token count (or to a list of token ids); without
+    one, lengths are ``ceil(len(text) / 4)``. Every arrival is 0.
+    """
+    _check_limit(limit)
+    data = _read_sharegpt(path)
     rows: list[tuple[float, int, int]] = []
     for i, rec in enumerate(data):
         try:
@@ -384,17 +412,42 @@ def load_sharegpt(path: str | os.PathLike, limit: int | None = None,
             p = _n_tokens(tokenizer, pair[0])
             o = _n_tokens(tokenizer, pair[1])
         except _RowError as e:
-            rid = rec.get("id") if isinstance(rec, dict) else None
-            raise TraceError(path, (f"(id {rid!r}) " if rid is not None else "") + str(e),
-                             record=i) from None
+            raise _record_error(path, rec, i, e) from None
         rows.append((0.0, p, o))
         if limit is not None and len(rows) >= limit:
             break
     return _finish(path, rows, " (no conversation has a human turn followed by a gpt turn)")
 
 
-def _first_pair(rec) -> tuple[str, str] | None:
-    """The first (human text, gpt text) of adjacent turns, or None."""
+def load_sharegpt_conversations(path: str | os.PathLike, limit: int | None = None,
+                                tokenizer: Callable[[str], object] | None = None) -> list[Conversation]:
+    """ShareGPT JSON as multi-turn conversations: one :class:`Conversation` per record
+    with at least one (human, gpt) pair (see the module doc for which turns), in file
+    order, ``limit`` of them at most. The id is the record's ``id`` (else ``#<index>``);
+    message lengths as :func:`load_sharegpt`'s; every arrival is 0, no think times."""
+    _check_limit(limit)
+    data = _read_sharegpt(path)
+    out: list[Conversation] = []
+    for i, rec in enumerate(data):
+        try:
+            pairs = _turn_texts(rec)
+            turns = tuple((_n_tokens(tokenizer, h), _n_tokens(tokenizer, g)) for h, g in pairs)
+        except _RowError as e:
+            raise _record_error(path, rec, i, e) from None
+        if not turns:
+            continue
+        rid = rec.get("id")
+        out.append(Conversation(str(rid) if isinstance(rid, (str, int)) else f"#{i}", turns))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise TraceError(path, "contains no requests (no conversation has a human turn followed by a gpt turn)")
+    return out
+
+
+def _turn_texts(rec) -> list[tuple[str, str]]:
+    """The (human text, gpt text) turns of a record: from the first human message directly
+    followed by a gpt message, while the roles alternate human, gpt, human, gpt, ..."""
     if not isinstance(rec, dict):
         raise _RowError(f"expected a JSON object, got {type(rec).__name__}")
     conv = rec.get("conversations")
@@ -406,10 +459,22 @@ def _first_pair(rec) -> tuple[str, str] | None:
                 or not isinstance(turn.get("value"), str):
             raise _RowError(f"conversations[{j}] must be an object with string 'from' and 'value'")
         roles.append(turn["from"].strip().lower())
-    for j in range(len(conv) - 1):
-        if roles[j] in HUMAN_ROLES and roles[j + 1] in GPT_ROLES:
-            return conv[j]["value"], conv[j + 1]["value"]
-    return None
+
+    def pair_at(j: int) -> bool:
+        return j + 1 < len(conv) and roles[j] in HUMAN_ROLES and roles[j + 1] in GPT_ROLES
+
+    j = next((j for j in range(len(conv)) if pair_at(j)), len(conv))
+    out = []
+    while pair_at(j):
+        out.append((conv[j]["value"], conv[j + 1]["value"]))
+        j += 2
+    return out
+
+
+def _first_pair(rec) -> tuple[str, str] | None:
+    """The first (human text, gpt text) of adjacent turns, or None."""
+    pairs = _turn_texts(rec)
+    return pairs[0] if pairs else None
 
 
 # --- dispatch ----------------------------------------------------------------

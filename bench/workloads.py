@@ -4,6 +4,18 @@ The pipeline the simulator CLI runs is :func:`build_workload`::
 
     load_trace / synthetic  →  scale_to_rate  →  tag_priorities  →  list[Request]
 
+Multi-turn conversations (issue 14) have their own two steps,
+:func:`load_conversations` (ShareGPT's conversations, or
+:func:`synthetic_conversations`) and :func:`conversation_requests`, which gives
+the requests together with their :class:`TurnLink` s (which turn follows which,
+for the load generator).
+
+Prefix blocks: a record's ``hash_ids`` (Mooncake) become ``Request.prefix_blocks``
+with ``prefix_block_tokens = TraceRecord.block_tokens``, cut to the blocks the
+(possibly shortened) prompt still covers; a conversation's turns name the full
+blocks of the conversation's token stream that their prompt covers, so the turns
+of one conversation share their leading blocks.
+
 Randomness is seeded; each step salts the seed with its own constant so that
 the streams are independent (e.g. the priority drawn for a request does not
 depend on the rate its arrivals were scaled to).
@@ -25,7 +37,7 @@ from proserve.scheduler import validate
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
-from .traces import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
+from .traces import Conversation, TraceRecord, load_sharegpt_conversations, load_trace
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +52,8 @@ SYNTHETIC_RATE = 1.0  # req/s
 _SALT_SYNTHETIC = 0x5E1
 _SALT_ARRIVALS = 0xA77
 _SALT_PRIORITY = 0x9A1
+_SALT_CONVERSATIONS = 0xC07
+_SALT_THINK = 0x7417
 
 
 # --- seeds ----------------------------------------------------------------------
@@ -336,10 +350,19 @@ def tag_priorities(records: Sequence[TraceRecord], classes: Mapping[str, Priorit
         pc = classes[names[k]]
         out.append(Request(id=f"r{i}", priority=pc.name, weight=pc.weight, ttft_slo=pc.ttft_slo,
                            tpot_slo=pc.tpot_slo, arrival=start + rec.arrival,
-                           prompt_len=rec.prompt_len, output_len=rec.output_len,
-                           prefix_blocks=rec.hash_ids,
-                           prefix_block_tokens=MOONCAKE_BLOCK_TOKENS if rec.hash_ids else 0))
+                           prompt_len=rec.prompt_len, output_len=rec.output_len, **_prefix(rec)))
     return out
+
+
+def _prefix(rec: TraceRecord) -> dict:
+    """A record's prefix blocks as Request fields: its ``hash_ids`` cut to the blocks its
+    prompt covers (a prompt shortened by fit_to_context or clipping names fewer)."""
+    if not rec.hash_ids:
+        return {}
+    if rec.block_tokens < 1:
+        raise ConfigError(f"trace record with hash_ids needs block_tokens >= 1, got {rec.block_tokens!r}")
+    return {"prefix_blocks": rec.hash_ids[:-(-rec.prompt_len // rec.block_tokens)],
+            "prefix_block_tokens": rec.block_tokens}
 
 
 def iter_tagged(records: Iterable[TraceRecord], classes: Mapping[str, PriorityClass] | None = None,
@@ -369,8 +392,209 @@ def iter_tagged(records: Iterable[TraceRecord], classes: Mapping[str, PriorityCl
             pc = classes[names[k]]
             yield Request(id=f"r{i}", priority=pc.name, weight=pc.weight, ttft_slo=pc.ttft_slo,
                           tpot_slo=pc.tpot_slo, arrival=rec.arrival, prompt_len=rec.prompt_len,
-                          output_len=rec.output_len)
+                          output_len=rec.output_len, **_prefix(rec))
             i += 1
+
+
+# --- multi-turn conversations ------------------------------------------------------
+
+#: tokens per prefix block of a conversation's requests (vLLM's default KV block size)
+CONVERSATION_BLOCK_TOKENS = 16
+SYNTHETIC_CONVERSATIONS = 100   # load_conversations("synthetic") default count
+DEFAULT_TURNS = LengthDist.uniform(2, 6)
+DEFAULT_MESSAGE = LengthDist.lognormal(96, 0.8, lo=4, hi=1024)
+DEFAULT_ANSWER = LengthDist.lognormal(192, 0.6, lo=4, hi=1024)
+
+
+def _think_times(rng: np.random.Generator, n: int, mean: float) -> tuple[float, ...]:
+    """``n`` think times, exponential of mean ``mean`` seconds (0: all 0)."""
+    if n <= 0:
+        return ()
+    if mean == 0:
+        return (0.0,) * n
+    return tuple(float(x) for x in rng.exponential(mean, size=n))
+
+
+def synthetic_conversations(n: int, rate: float = 1.0, turns: LengthDist | None = None,
+                            message: LengthDist | None = None, answer: LengthDist | None = None,
+                            think_time: float = 0.0, seed: int | None = 0) -> list[Conversation]:
+    """``n`` synthetic conversations ``c0, c1, ...`` starting as a Poisson process of
+    ``rate`` conversations/s (first at 0). Each has ``turns`` turns (at least 1), its
+    messages and answers ``message`` / ``answer`` tokens long (at least 1; defaults
+    :data:`DEFAULT_TURNS`, :data:`DEFAULT_MESSAGE`, :data:`DEFAULT_ANSWER`), and a
+    think time before every turn after the first, exponential of mean ``think_time`` s
+    (0: none). A function of the arguments and ``seed`` only."""
+    n = validate.integer("synthetic_conversations", "n", n)
+    rate = validate.positive("synthetic_conversations", "rate", rate)
+    think_time = validate.non_negative("synthetic_conversations", "think_time", think_time)
+    dists = {"turns": DEFAULT_TURNS if turns is None else turns,
+             "message": DEFAULT_MESSAGE if message is None else message,
+             "answer": DEFAULT_ANSWER if answer is None else answer}
+    for name, d in dists.items():
+        if not isinstance(d, LengthDist):
+            raise ConfigError(f"synthetic_conversations: {name} must be a LengthDist, got {d!r}")
+    r_arr, r_turns, r_msg, r_ans, r_think = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(_entropy(seed, _SALT_CONVERSATIONS)).spawn(5))
+    starts = _arrival_times(n, rate, "poisson", 1.0, r_arr)
+    k = np.maximum(dists["turns"].sample(n, r_turns), 1)
+    msg = np.maximum(dists["message"].sample(int(k.sum()), r_msg), 1)
+    ans = np.maximum(dists["answer"].sample(int(k.sum()), r_ans), 1)
+    out, pos = [], 0
+    for i in range(n):
+        ki = int(k[i])
+        turns_i = tuple((int(msg[pos + j]), int(ans[pos + j])) for j in range(ki))
+        pos += ki
+        out.append(Conversation(f"c{i}", turns_i, float(starts[i]), _think_times(r_think, ki - 1, think_time)))
+    return out
+
+
+def with_think_times(convs: Sequence[Conversation], think_time: float, seed: int | None = 0) -> list[Conversation]:
+    """Every conversation's think times replaced by fresh ones, exponential of mean
+    ``think_time`` seconds (0: none), seeded (a trace's conversations have none)."""
+    think_time = validate.non_negative("with_think_times", "think_time", think_time)
+    rng = _rng(seed, _SALT_THINK)
+    return [replace(c, think_s=_think_times(rng, len(c.turns) - 1, think_time)) for c in convs]
+
+
+def load_conversations(source: str | os.PathLike, num_conversations: int | None = None,
+                       rate: float | None = None, seed: int | None = 0, *, think_time: float = 0.0,
+                       turns: LengthDist | None = None, message: LengthDist | None = None,
+                       answer: LengthDist | None = None, tokenizer=None) -> list[Conversation]:
+    """Multi-turn conversations: ``"synthetic"`` (:func:`synthetic_conversations`:
+    ``num_conversations``, default 100, starting at ``rate`` conversations/s, default 1)
+    or a ShareGPT JSON file (:func:`proserve.bench.traces.load_sharegpt_conversations`,
+    its first ``num_conversations``; with ``rate``, Poisson starts at that many
+    conversations/s, else all start at 0). Think times: exponential of mean
+    ``think_time`` s in both."""
+    if num_conversations is not None:
+        validate.integer("load_conversations", "num_conversations", num_conversations)
+    if str(source) == "synthetic":
+        if tokenizer is not None:
+            raise ConfigError("load_conversations: tokenizer applies to a ShareGPT file, not 'synthetic'")
+        return synthetic_conversations(num_conversations or SYNTHETIC_CONVERSATIONS,
+                                       SYNTHETIC_RATE if rate is None else rate,
+                                       turns, message, answer, think_time, seed)
+    if turns is not None or message is not None or answer is not None:
+        raise ConfigError("load_conversations: turns/message/answer distributions apply only to 'synthetic'")
+    convs = load_sharegpt_conversations(source, num_conversations, tokenizer)
+    if rate is not None:
+        rate = validate.positive("load_conversations", "rate", rate)
+        t = _arrival_times(len(convs), rate, "poisson", 1.0, _rng(seed, _SALT_ARRIVALS))
+        convs = [replace(c, arrival=float(ti)) for c, ti in zip(convs, t)]
+    return with_think_times(convs, think_time, seed)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnLink:
+    """A multi-turn request's place in its conversation, for the load generator: it is
+    sent ``think_s`` after the answer of request ``prev`` (the previous turn) arrives, and
+    its prompt is the conversation's token stream cut to ``prompt_len``, made of the
+    blocks ``blocks`` (``block_tokens`` tokens each, first to last; the last may be cut)."""
+
+    conversation: str
+    turn: int                    # 0-based
+    prev: int | None             # workload index of the previous turn; None for a first turn
+    think_s: float
+    blocks: tuple[int, ...]
+    block_tokens: int
+
+
+def conversation_requests(convs: Sequence[Conversation], classes: Mapping[str, PriorityClass] | None = None,
+                          shares: Mapping[str, float] | None = None, seed: int | None = 0, *,
+                          block_tokens: int = CONVERSATION_BLOCK_TOKENS, max_model_len: int | None = None,
+                          max_prompt: int | None = None, start: float = 0.0,
+                          ) -> tuple[list[Request], list[TurnLink]]:
+    """Every turn of every conversation as a :class:`Request` ``r0, r1, ...`` (sorted by
+    arrival), with its :class:`TurnLink`.
+
+    * Prompt of turn ``k``: turn ``k-1``'s prompt + its answer + message ``k``; output:
+      answer ``k``. The answer is a fixed block of the conversation's token stream (the
+      load generator sends the same tokens whatever the engine answered), so the prefix
+      structure is known in advance and the simulator runs the same workload.
+    * Prefix blocks: a conversation's token stream is cut into ``block_tokens``-token
+      blocks with ids unique to it; a turn names the *full* blocks its prompt covers, so
+      turn ``k+1``'s ``prefix_blocks`` start with all of turn ``k``'s.
+    * Class: one per conversation (a conversation is one client's), drawn as
+      :func:`tag_priorities` draws one per record.
+    * Arrival (the simulator's; open loop): turn 0 at ``start + arrival``; turn ``k`` at
+      turn ``k-1``'s arrival + the time its answer takes at its class's SLOs
+      (``ttft_slo + (answer - 1) · tpot_slo``) + the think time. The load generator
+      instead sends turn ``k`` when turn ``k-1``'s answer has arrived (+ think time).
+    * ``max_prompt`` / ``max_model_len``: a later turn that does not fit ends its
+      conversation (it and the rest are dropped, counted in a warning); a first turn
+      that does not fit is cut as :func:`fit_to_context` cuts.
+    """
+    classes = _check_classes(default_classes() if classes is None else classes)
+    names = list(classes)
+    probs = _normalise_shares(shares, names)
+    B = validate.integer("conversation_requests", "block_tokens", block_tokens, 1)
+    if max_model_len is not None and validate.integer("conversation_requests", "max_model_len",
+                                                      max_model_len) < 2:
+        raise ConfigError(f"conversation_requests: max_model_len must be >= 2, got {max_model_len!r}")
+    if max_prompt is not None:
+        validate.integer("conversation_requests", "max_prompt", max_prompt, 1)
+    validate.number("", "start", start)
+    picks = _rng(seed, _SALT_PRIORITY).choice(len(names), size=len(convs), p=probs) if len(convs) else []
+    rows = []   # (arrival, conversation index, turn, prompt, output, think, blocks, class)
+    base = dropped = 0
+    for ci, (conv, pick) in enumerate(zip(convs, picks)):
+        _check_conversation(conv, ci)
+        pc = classes[names[pick]]
+        ctx, t, last_out, span_max = 0, start + conv.arrival, 0, 0
+        for k, (m, a) in enumerate(conv.turns):
+            p, o = ctx + m, a
+            too_long = (max_prompt is not None and p > max_prompt) or \
+                (max_model_len is not None and p + o > max_model_len)
+            if k and too_long:
+                dropped += len(conv.turns) - k
+                break
+            if max_prompt is not None:
+                p = min(p, max_prompt)
+            if max_model_len is not None and p + o > max_model_len:   # a first turn: cut to fit
+                p = min(p, max_model_len - 1)
+                o = max_model_len - p
+            think = conv.think_s[k - 1] if k and conv.think_s else 0.0
+            if k:
+                t += pc.ttft_slo + (last_out - 1) * pc.tpot_slo + think
+            span = -(-p // B)
+            rows.append((t, ci, k, p, o, think, tuple(range(base, base + span)), pc))
+            span_max = max(span_max, span)
+            ctx, last_out = p + o, o
+        base += span_max
+    if dropped:
+        log.warning("%d turns of %d conversations did not fit max_prompt/max_model_len and were dropped",
+                    dropped, len(convs))
+    rows.sort(key=lambda r: (r[0], r[1], r[2]))
+    where: dict[tuple[int, int], int] = {}
+    reqs, links = [], []
+    for i, (t, ci, k, p, o, think, blocks, pc) in enumerate(rows):
+        where[ci, k] = i
+        full = blocks[:p // B]
+        reqs.append(Request(id=f"r{i}", priority=pc.name, weight=pc.weight, ttft_slo=pc.ttft_slo,
+                            tpot_slo=pc.tpot_slo, arrival=t, prompt_len=p, output_len=o,
+                            prefix_blocks=full, prefix_block_tokens=B if full else 0))
+        links.append(TurnLink(convs[ci].id, k, where[ci, k - 1] if k else None, think, blocks, B))
+    return reqs, links
+
+
+def _check_conversation(conv, i: int) -> None:
+    where = f"conversation {i}"
+    if not isinstance(conv, Conversation):
+        raise ConfigError(f"{where}: expected a Conversation, got {type(conv).__name__}")
+    where = f"conversation {i} ({conv.id!r})"
+    if not conv.turns:
+        raise ConfigError(f"{where}: has no turns")
+    for k, turn in enumerate(conv.turns):
+        if not (isinstance(turn, tuple) and len(turn) == 2):
+            raise ConfigError(f"{where}: turn {k} must be (message tokens, answer tokens), got {turn!r}")
+        validate.integer(where, f"turn {k} message tokens", turn[0], 1)
+        validate.integer(where, f"turn {k} answer tokens", turn[1], 1)
+    if conv.think_s and len(conv.think_s) != len(conv.turns) - 1:
+        raise ConfigError(f"{where}: {len(conv.think_s)} think times for {len(conv.turns)} turns "
+                          f"(one before each turn after the first)")
+    for x in conv.think_s:
+        validate.non_negative(where, "think time", x)
+    validate.number(where, "arrival", conv.arrival)
 
 
 # --- the whole pipeline -----------------------------------------------------------

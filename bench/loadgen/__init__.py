@@ -24,7 +24,17 @@ What one run does:
    request's prompt length, seeded per request (request ``r7`` gets the same
    prompt whatever the rate or the order of sends). ``max_tokens`` is the
    output length and ``ignore_eos`` is set, so every request must return
-   exactly that many tokens.
+   exactly that many tokens. Prefix structure (issue 14): a trace with block
+   ids (Mooncake ``hash_ids``) gets prompts made of blocks whose tokens depend
+   on (``--seed``, block id) only (:func:`request_prompts`), so equal ids are
+   equal token prefixes for a real engine's prefix cache; ``--prefix-block-tokens
+   B`` shrinks each 512-token block to ``B`` tokens (prompts by ``B/512``).
+   ``--multi-turn`` (:func:`make_conversation_workload`; ``--trace synthetic``
+   or a ShareGPT file) sends conversations: turn ``k+1``'s prompt is turn ``k``'s
+   prompt + its answer + a new message, the answer being a fixed token block of
+   the answer's length (deterministic, so the simulator runs the same workload
+   from the requests' prefix blocks), and it is sent when turn ``k``'s answer
+   has arrived plus ``--think-time``.
 3. **Sends** at the workload's arrival times (offsets from the run start, one
    asyncio task per request, no client-side concurrency limit), streaming
    (``"stream": true``) — or, for a seeded ``1 - --stream-fraction`` of the
@@ -129,6 +139,7 @@ from .cli import (
     load_classes,
     main,
     want_plots,
+    workload_and_links,
     workload_from_args,
 )
 from .client import Run, fetch_model, replay
@@ -158,24 +169,29 @@ from .workload import (
     BUNDLED_TRACE,
     DEFAULT_TOKEN_LOW,
     DEFAULT_VOCAB,
+    block_token_ids,
+    blocks_prompt,
+    make_conversation_workload,
     make_workload,
     prompt_tokens,
     request_index,
+    request_prompts,
     send_offsets,
+    shape_conversations,
     shape_lengths,
     stream_flags,
     workload_gain,
 )
 
 __all__ = [
-    "APIS", "ARRIVAL_MODES", "BUNDLED_TRACE", "DEFAULT_TOKEN_LOW", "DEFAULT_VOCAB",
-    "PLOT_FILES", "STALL_S", "TABLE_COLUMNS", "Chunk", "ClientConfig", "Progress", "Result",
-    "Run", "SSEParser", "add_workload_args", "api_url", "build_parser",
-    "clean_json", "client_config", "deep_merge", "error_counts", "fetch_model",
-    "format_summary", "have_matplotlib", "load_classes", "load_records", "main",
+    "APIS", "ARRIVAL_MODES", "BUNDLED_TRACE", "DEFAULT_TOKEN_LOW", "DEFAULT_VOCAB", "PLOT_FILES",
+    "STALL_S", "TABLE_COLUMNS", "Chunk", "ClientConfig", "Progress", "Result", "Run", "SSEParser",
+    "add_workload_args", "api_url", "block_token_ids", "blocks_prompt", "build_parser",
+    "clean_json", "client_config", "deep_merge", "error_counts", "fetch_model", "format_summary",
+    "have_matplotlib", "load_classes", "load_records", "main", "make_conversation_workload",
     "make_workload", "parse_chunk", "parse_class_keys", "parse_response", "prompt_tokens",
     "read_keys_file", "replay", "report_from_records", "request_body", "request_index",
-    "result_records", "send_offsets", "shape_lengths", "stream_flags", "summarize_run",
-    "to_request", "want_plots", "workload_from_args", "workload_gain", "write_outputs",
-    "write_plots",
+    "request_prompts", "result_records", "send_offsets", "shape_conversations", "shape_lengths",
+    "stream_flags", "summarize_run", "to_request", "want_plots", "workload_and_links",
+    "workload_from_args", "workload_gain", "write_outputs", "write_plots",
 ]

@@ -13,6 +13,7 @@ from proserve.scheduler import validate
 from proserve.scheduler.config import classes_from_dicts, default_classes
 from proserve.scheduler.request import ConfigError, PriorityClass, Request
 
+from ..workloads import LengthDist, TurnLink
 from .body import APIS, ClientConfig, deep_merge, parse_class_keys
 from .client import replay
 from .report import (
@@ -30,9 +31,13 @@ from .workload import (
     ARRIVAL_MODES,
     DEFAULT_TOKEN_LOW,
     DEFAULT_VOCAB,
+    make_conversation_workload,
     make_workload,
     workload_gain,
 )
+
+DEFAULT_NUM_REQUESTS = 200
+DEFAULT_CONVERSATIONS = 50
 
 # --- command line -------------------------------------------------------------------------
 
@@ -66,18 +71,50 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                    help="'azure' (bundled Azure 2023 conversation trace), 'synthetic', or a trace file")
     w.add_argument("--format", dest="trace_format", choices=["azure", "burstgpt", "mooncake", "sharegpt"],
                    help="trace file format (default: sniffed)")
-    w.add_argument("--num-requests", type=int, default=200, help="first N requests of the trace (default 200)")
+    w.add_argument("--num-requests", type=int, default=None,
+                   help=f"first N requests of the trace (default {DEFAULT_NUM_REQUESTS}; not with --multi-turn)")
     w.add_argument("--seed", type=int, default=0,
                    help="priority tags, prompt tokens, Poisson arrivals, unstreamed picks (default 0)")
     w.add_argument("--classes", default=None,
                    help="JSON file [{name, weight, ttft_slo, tpot_slo}, ...] (default high w=2 / low w=1)")
     w.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO of every class, seconds")
     w.add_argument("--tpot-slo", type=float, default=None, help="TPOT SLO of every class, seconds")
-    w.add_argument("--prompt-div", type=float, default=1.0, help="divide every prompt length by this")
+    w.add_argument("--prompt-div", type=float, default=1.0,
+                   help="divide every prompt length by this (a trace with prefix blocks: every block, see "
+                        "--prefix-block-tokens)")
     w.add_argument("--output-div", type=float, default=1.0, help="divide every output length by this")
     w.add_argument("--max-prompt", type=int, default=None, help="clip prompt lengths to this")
     w.add_argument("--max-model-len", type=int, default=2048,
                    help="fit prompt + output into this (output cut first; default 2048, the tiny model's)")
+    w.add_argument("--prefix-block-tokens", type=int, default=None, metavar="B",
+                   help="tokens per prefix block. A trace with block ids (Mooncake hash_ids, 512-token blocks) "
+                        "gets prompts made of shared blocks (equal ids, equal tokens); B scales each block to B "
+                        "tokens and every prompt by B/512, e.g. 16 for a tiny CPU engine (instead of "
+                        "--prompt-div; default: the trace's 512). --multi-turn: the block size of the turns' "
+                        "prefix blocks (default 16)")
+    m = ap.add_argument_group("multi-turn conversations")
+    m.add_argument("--multi-turn", action="store_true",
+                   help="conversations instead of single requests: with --trace synthetic, generated ones "
+                        "(--conversations, --turns, --message-len, --answer-len); with a ShareGPT --trace, "
+                        "every conversation's human/gpt turns. Turn k+1's prompt is turn k's prompt + its "
+                        "answer (a fixed token block of the answer's length) + the new message; it is sent "
+                        "when turn k's answer has arrived, plus --think-time. --rate counts new "
+                        "conversations per second (Poisson starts; without it: 1/s synthetic, all at once "
+                        "from a file)")
+    m.add_argument("--conversations", type=int, default=None, metavar="N",
+                   help=f"--multi-turn: number of conversations (synthetic) or the first N of the file "
+                        f"(default {DEFAULT_CONVERSATIONS})")
+    m.add_argument("--turns", default=None, metavar="DIST",
+                   help="--multi-turn synthetic: turns per conversation, fixed:N | uniform:LO:HI | "
+                        "lognormal:MEAN:SIGMA[:LO[:HI]] (default uniform:2:6)")
+    m.add_argument("--message-len", default=None, metavar="DIST",
+                   help="--multi-turn synthetic: tokens of each user message (default lognormal:96:0.8:4:1024)")
+    m.add_argument("--answer-len", default=None, metavar="DIST",
+                   help="--multi-turn synthetic: tokens of each answer (max_tokens; default "
+                        "lognormal:192:0.6:4:1024)")
+    m.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="--multi-turn: mean seconds between an answer and the next message, exponential, "
+                        "seeded (default 0: at once)")
     w.add_argument("--w-p", type=float, default=None,
                    help="TDG first-token weight (default: mean prompt / mean output, as the simulator)")
     w.add_argument("--w-d", type=float, default=1.0, help="TDG decode-token weight (default 1)")
@@ -168,11 +205,56 @@ def client_config(args) -> ClientConfig:
                         stream_fraction=args.stream_fraction)
 
 
+def _dist(text: str | None, flag: str) -> LengthDist | None:
+    if text is None:
+        return None
+    try:
+        return LengthDist.parse(text)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+
+
 def workload_from_args(args, rate: float | None) -> list[Request]:
+    return workload_and_links(args, rate)[0]
+
+
+def workload_and_links(args, rate: float | None) -> tuple[list[Request], list[TurnLink] | None]:
+    """The workload of the flags and, with ``--multi-turn``, its turn links (else None)."""
     classes = load_classes(args.classes, args.ttft_slo, args.tpot_slo)
-    return make_workload(args.trace, rate, args.num_requests, args.seed, classes, args.trace_format,
-                         args.prompt_div, args.output_div, args.max_prompt, args.max_model_len,
-                         args.arrivals)
+    multi = args.multi_turn
+    if args.prefix_block_tokens is not None:
+        validate.integer("", "--prefix-block-tokens", args.prefix_block_tokens)
+    synth_only = [f for f, v in (("--turns", args.turns), ("--message-len", args.message_len),
+                                 ("--answer-len", args.answer_len)) if v is not None]
+    if not multi:
+        used = [f for f, bad in (("--conversations", args.conversations is not None),
+                                 ("--think-time", args.think_time != 0.0)) if bad] + synth_only
+        if used:
+            raise ConfigError(f"{', '.join(used)}: only with --multi-turn")
+        n = DEFAULT_NUM_REQUESTS if args.num_requests is None else args.num_requests
+        return make_workload(args.trace, rate, n, args.seed, classes, args.trace_format,
+                             args.prompt_div, args.output_div, args.max_prompt, args.max_model_len,
+                             args.arrivals, args.prefix_block_tokens), None
+    if args.num_requests is not None:
+        raise ConfigError("--num-requests does not apply to --multi-turn (pass --conversations N)")
+    if args.arrivals != "trace":
+        raise ConfigError("--arrivals does not apply to --multi-turn (conversations start as a Poisson "
+                          "process at --rate; later turns follow their answers)")
+    if args.trace == "azure":
+        raise ConfigError("--multi-turn needs --trace synthetic or a ShareGPT JSON file")
+    if args.trace != "synthetic":
+        if args.trace_format not in (None, "sharegpt"):
+            raise ConfigError(f"--multi-turn reads ShareGPT conversations, not --format {args.trace_format}")
+        if synth_only:
+            raise ConfigError(f"{', '.join(synth_only)}: only with --trace synthetic")
+    validate.non_negative("", "--think-time", args.think_time)
+    n = DEFAULT_CONVERSATIONS if args.conversations is None else args.conversations
+    validate.integer("", "--conversations", n)
+    return make_conversation_workload(
+        args.trace, rate, n, args.seed, classes, args.prompt_div, args.output_div, args.max_prompt,
+        args.max_model_len, args.think_time, args.prefix_block_tokens,
+        _dist(args.turns, "--turns"), _dist(args.message_len, "--message-len"),
+        _dist(args.answer_len, "--answer-len"))
 
 
 def want_plots(args) -> bool:
@@ -209,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rate is not None:
             validate.positive("", "--rate", args.rate)
         cfg = client_config(args)
-        reqs = workload_from_args(args, args.rate)
+        reqs, links = workload_and_links(args, args.rate)
         known = {r.priority for r in reqs} | set(load_classes(args.classes))
         for flag, names in (("--class-body", cfg.class_body),
                             ("--class-key", [i.partition("=")[0] for i in args.class_key])):
@@ -221,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         gain = workload_gain(reqs, args.w_p, args.w_d)
         progress = None if args.quiet else Progress(len(reqs))
         try:
-            run = asyncio.run(replay(reqs, cfg, progress))
+            run = asyncio.run(replay(reqs, cfg, progress, links))
         finally:
             if progress is not None:
                 progress.close()
@@ -234,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = {"url": args.url, "api": args.api, "rate": args.rate, "arrivals": args.arrivals,
                 "stream_fraction": args.stream_fraction, "trace": args.trace,
+                "multi_turn": bool(args.multi_turn),
                 "argv": sys.argv[1:] if argv is None else argv}
-        records = write_outputs(args.out, reqs, run, gain, summary, meta)
+        records = write_outputs(args.out, reqs, run, gain, summary, meta, links)
         print(f"wrote {args.out}/requests.jsonl and summary.json")
         if plots:
             try:

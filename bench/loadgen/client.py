@@ -1,7 +1,8 @@
 """Sending: :func:`replay` sends every request of a workload at its offset with
-aiohttp (streamed or not), timestamps the tokens as they are read, and watches
-the client's own event loop for stalls; :func:`fetch_model` asks the server for
-its model."""
+aiohttp (streamed or not) — a later turn of a multi-turn conversation when the
+previous turn's answer has arrived, plus its think time — timestamps the tokens
+as they are read, and watches the client's own event loop for stalls;
+:func:`fetch_model` asks the server for its model."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Sequence
 
 from proserve.scheduler.request import ConfigError, Request
 
+from ..workloads import TurnLink
 from .body import ClientConfig, api_url, request_body
 from .scoring import STALL_S, Result
 from .sse import Chunk, SSEParser, parse_chunk, parse_response
-from .workload import prompt_tokens, request_index, send_offsets, stream_flags
+from .workload import request_prompts, send_offsets, stream_flags
 
 # --- sending -----------------------------------------------------------------------------
 
@@ -118,22 +120,39 @@ async def _watch_loop(stop: asyncio.Event, stalls: list[float], period: float = 
             stalls.append(late)
 
 
-async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> Run:
+def _check_links(links: Sequence[TurnLink | None], n: int) -> None:
+    if len(links) != n:
+        raise ConfigError(f"{len(links)} turn links for {n} requests")
+    for i, link in enumerate(links):
+        if link is not None and link.prev is not None and not 0 <= link.prev < i:
+            raise ConfigError(f"turn link {i}: previous turn {link.prev} must be an earlier request")
+
+
+async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None,
+                 links: Sequence[TurnLink | None] | None = None) -> Run:
     """Send every request at its offset; return one :class:`Result` per request, in workload order.
 
+    With ``links`` (a multi-turn workload, :func:`~proserve.bench.loadgen.workload.make_conversation_workload`),
+    a request whose link names a previous turn is not sent at its offset but ``think_s``
+    after that turn's request has ended (its last token, or its error: the conversation
+    goes on); its ``Result.arrival`` (the time TTFT counts from) is that moment.
     ``progress(done, total, result)`` is called as each request ends."""
     import aiohttp
     cfg.check(q.priority for q in reqs)
+    links = list(links) if links is not None else [None] * len(reqs)
+    _check_links(links, len(reqs))
     model = cfg.model or await fetch_model(cfg.base_url, cfg.key_for(reqs[0].priority) if reqs else cfg.api_key)
     offsets = send_offsets(reqs)
     # everything heavy happens before the clock starts
-    prompts = [prompt_tokens(cfg.seed, request_index(q, i), q.prompt_len, cfg.vocab, cfg.token_low)
-               for i, q in enumerate(reqs)]
+    prompts = request_prompts(reqs, cfg.seed, cfg.vocab, cfg.token_low, links)
     perf0 = time.perf_counter() + cfg.start_delay
     t0_unix = time.time() + cfg.start_delay
     streams = stream_flags(len(reqs), cfg.stream_fraction, cfg.seed)
-    payloads = [json.dumps(request_body(q, p, model, cfg, t0_unix + off, st)).encode()
-                for q, p, off, st in zip(reqs, prompts, offsets, streams)]
+    follows = [link is not None and link.prev is not None for link in links]
+    # a later turn's body is made when it is due (its arrival_time is known only then)
+    payloads = [None if f else json.dumps(request_body(q, p, model, cfg, t0_unix + off, st)).encode()
+                for q, p, off, st, f in zip(reqs, prompts, offsets, streams, follows)]
+    ended = [asyncio.get_running_loop().create_future() for _ in reqs]   # run-clock end of each request
     headers = {c: cfg.headers_for(c) for c in {q.priority for q in reqs}}
     url = cfg.completions_url()
 
@@ -145,13 +164,19 @@ async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> R
     async def send(i: int) -> Result:
         nonlocal done
         q = reqs[i]
-        res = Result(id=q.id, priority=q.priority, arrival=offsets[i], expected_tokens=q.output_len,
+        due = offsets[i]
+        if follows[i]:   # the previous turn's answer first, then the think time
+            due = await ended[links[i].prev] + links[i].think_s
+        res = Result(id=q.id, priority=q.priority, arrival=due, expected_tokens=q.output_len,
                      stream=streams[i])
-        delay = offsets[i] - clock()
+        delay = due - clock()
         if delay > 0:
             await asyncio.sleep(delay)
         try:
-            await _one(session, url, headers[q.priority], payloads[i], res, clock, cfg.return_token_ids,
+            payload = payloads[i]
+            if payload is None:
+                payload = json.dumps(request_body(q, prompts[i], model, cfg, t0_unix + due, streams[i])).encode()
+            await _one(session, url, headers[q.priority], payload, res, clock, cfg.return_token_ids,
                        cfg.request_timeout)
         except BaseException as e:   # cancelled: still a result
             if res.error is None:
@@ -159,6 +184,8 @@ async def replay(reqs: Sequence[Request], cfg: ClientConfig, progress=None) -> R
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
+            if not ended[i].done():
+                ended[i].set_result(clock())
             done += 1
             if progress is not None:
                 progress(done, len(reqs), res)

@@ -79,11 +79,15 @@ def clean_json(x):
 
 
 def write_outputs(out_dir: str | Path, reqs: Sequence[Request], run: Run, gain: GainConfig,
-                  summary: dict, meta: dict | None = None) -> list[dict]:
-    """``requests.jsonl`` and ``summary.json`` in ``out_dir``; returns the records written."""
+                  summary: dict, meta: dict | None = None, links: Sequence | None = None) -> list[dict]:
+    """``requests.jsonl`` and ``summary.json`` in ``out_dir``; returns the records written.
+    With ``links`` (a multi-turn run) each record also names its ``conversation`` and ``turn``."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     records = [clean_json(rec) for rec in result_records(reqs, run.results, gain)]
+    for rec, link in zip(records, links or ()):
+        if link is not None:
+            rec["conversation"], rec["turn"] = link.conversation, link.turn
     with open(d / "requests.jsonl", "w") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")
