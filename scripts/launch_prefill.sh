@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
 # Start N prefill workers on this host.
-#   scripts/launch_prefill.sh [-n N] [-p BASE_PORT] [-d RUN_DIR] [-- extra `python -m proserve.prefill` flags]
-# Worker i serves HTTP on BASE_PORT+i (default 8100+i). Logs go to RUN_DIR/prefill-i.log
-# and PIDs to RUN_DIR/pids (default RUN_DIR: ./run); scripts/stop_pool.sh stops them.
+#   scripts/launch_prefill.sh [-n N] [-p BASE_PORT] [-H BIND_ADDR] [-d RUN_DIR] [-w SECONDS]
+#                             [--secrets DIR | --api-key-file FILE --kv-keys DIR] [--dry-run]
+#                             [-- extra `python -m proserve.prefill` flags]
+# Worker i serves HTTP on BIND_ADDR:BASE_PORT+i (default 127.0.0.1:8100+i, loopback).
+# Another host's dispatcher reaching it needs -H (this host's address, or 0.0.0.0), and a
+# non-loopback -H needs the API key the dispatcher sends (--api-key-file FILE; the worker
+# refuses to start without one unless given '-- --allow-no-api-key'). --kv-keys DIR: the CURVE
+# keys it pushes KV with (a prefill host needs DIR/client.key_secret and DIR/server.key).
+# --secrets DIR: both from scripts/make_keys.sh's layout (DIR/worker.key, DIR/kv).
+# -w SECONDS: wait (at most that long) until every worker answers /health; default: don't.
+# --dry-run: print the worker command lines and start nothing.
+# Logs go to RUN_DIR/prefill-i.log and PIDs to RUN_DIR/pids (default RUN_DIR: ./run);
+# scripts/stop_pool.sh [-d RUN_DIR] stops them.
 exec "$(dirname "$0")/_launch_pool.sh" prefill 8100 "$@"
