@@ -30,6 +30,7 @@ ROUTERS = (  # label, sweep arguments, local policies it runs with
     ("round-robin", ["--global", "round_robin"], None),
     # Sarathi-FCFS keeps the paper's estimate by default; the arrival order it serves in, forced:
     ("GoRouting (order=fcfs)", ["--global", "go_routing", "--global-param", "order=fcfs"], ("sarathi_fcfs",)),
+    ("GoRouting (fallback=min_load)", ["--global", "go_routing", "--global-param", "fallback=min_load"], None),
 )
 DEPLOYMENTS = {
     "disaggregated": (["--deployment", "disaggregated", "--prefill-instances", "4", "--decode-instances", "8"],
