@@ -41,6 +41,19 @@ x-proserve-downgraded-from). --max-queued-requests/--max-queued-tokens cap what 
 per instance (every instance full: 429). /metrics: proserve:dispatcher_admission_total{priority,
 decision, reason}.
   python -m proserve.dispatcher --config cluster.toml --keys keys.toml --on-overload low=reject
+
+dynamic membership: with --admin-key-file (a file holding a key of 16+ characters, not a client key)
+the admin API adds, drains and removes workers at run time; without it /admin/* answers 403.
+  curl -H "Authorization: Bearer $(cat admin.key)" http://127.0.0.1:8000/admin/workers
+  curl -H "Authorization: Bearer $(cat admin.key)" -H 'content-type: application/json' \\
+       -d '{"role": "decode", "url": "http://10.0.0.8:8200", "kv_addr": "tcp://10.0.0.8:15600"}' \\
+       http://127.0.0.1:8000/admin/workers
+  curl -X POST -H "Authorization: Bearer $(cat admin.key)" http://127.0.0.1:8000/admin/workers/p1/drain
+  curl -X DELETE -H "Authorization: Bearer $(cat admin.key)" http://127.0.0.1:8000/admin/workers/p1
+A drained worker takes no new requests and finishes its own; DELETE answers 409 while requests run
+there (?force=true removes it anyway and lets them finish there). [[discover]] entries in the config
+(role, host, port, kv_port, interval_s) re-resolve a DNS name (a Kubernetes headless service) and
+add/drain/remove workers as its addresses change; see dispatcher/membership.py.
 """
 
 
@@ -114,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-key-file", metavar="PATH",
                     help="file holding the API key the workers demand (sent as 'Authorization: Bearer' on "
                          "every call to them); default: $PROSERVE_WORKER_API_KEY if set, else no key")
+    ap.add_argument("--admin-key-file", metavar="PATH",
+                    help="file holding the admin API key (16+ characters; not a client key): turns on "
+                         "/admin/workers to add, drain and remove workers at run time (default: off, 403)")
     ap.add_argument("--no-prefix-index", dest="prefix_index", action="store_false", default=None,
                     help="keep no index of the prefill workers' prefix caches: route as if no prompt were "
                          "cached (default: an index of the prompts' KV blocks routed to each worker, sized by "
@@ -137,7 +153,8 @@ def config_from_args(args) -> DispatcherConfig:
                        ("max_concurrent_per_key", "max_concurrent_per_key"),
                        ("max_queued_requests", "max_queued_requests"), ("max_queued_tokens", "max_queued_tokens"),
                        ("shutdown_timeout_s", "shutdown_timeout"),
-                       ("worker_api_key_file", "worker_key_file"), ("prefix_index", "prefix_index")):
+                       ("worker_api_key_file", "worker_key_file"), ("prefix_index", "prefix_index"),
+                       ("admin_key_file", "admin_key_file"), ("latency_model", "latency_model")):
         v = getattr(args, flag)
         if v is not None:
             setattr(cfg, attr, v)
@@ -209,5 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         "dispatcher on http://%s:%d: %s, policy %s, %d prefill + %d decode instances%s", cfg.host, cfg.port,
         cfg.deployment, cfg.global_policy, len(cfg.prefill), len(cfg.decode),
         ", with a worker key" if d.worker_key else "")
+    if cfg.discover or d.admin_key:
+        logging.getLogger("proserve.dispatcher").info(
+            "dynamic membership: %d [[discover]] name(s), admin API %s", len(cfg.discover),
+            "on" if d.admin_key else "off")
     uvicorn.Server(uvicorn_config(d, app, log_level=args.log_level if args.log_level != "info" else "warning")).run()
     return 0

@@ -27,6 +27,8 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       stream_queue_events = 64      # events buffered per stream before the upstream read waits
       shutdown_timeout_s = 30.0     # on SIGINT/SIGTERM, requests in progress get this long to finish
       worker_api_key_file = "worker.key"  # optional: the key the workers demand (relative: to this file)
+      admin_key_file = "admin.key"  # optional: turns on the admin API (/admin/workers); default off
+      latency_model = "models/x.json"   # optional: for prefill workers added at run time
       prefix_index = true           # keep an index of each prefill worker's prefix cache from the
                                     # prompts routed there (issue 14); false: route as if none caches
       [global_params]               # keyword arguments of the policy, e.g. alpha = 0.9
@@ -44,6 +46,18 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       [[decode]]
       url = "http://127.0.0.1:8200"
       kv_addr = "tcp://127.0.0.1:15600"   # where this decode worker receives KV (its --kv-listen)
+      [[discover]]                  # dynamic membership (issue 15): the workers are the A/AAAA records
+      role = "decode"               # of a name (a Kubernetes headless service), re-resolved every
+      host = "decode.proserve.svc.cluster.local"   # interval_s; new addresses join, vanished ones are
+      port = 8200                   # drained, then removed once idle. A failed or empty resolution
+      kv_port = 15600               # keeps the current set. decode: kv_port (KV at tcp://ADDR:kv_port);
+      interval_s = 10.0             # prefill: local_policy, latency_model as in [[prefill]];
+      scheme = "http"               # optional: timeout_s (resolution, default 5), name_prefix
+
+  With ``admin_key_file`` set (``--admin-key-file``), the admin API adds, drains and
+  removes workers at run time (``/admin/workers``; see :mod:`proserve.dispatcher.membership`);
+  without it the admin routes answer 403. With discovery or the admin API a pool may start
+  empty (no [[prefill]]/[[decode]]).
 
   Instances on other hosts are just other URLs and KV addresses (the workers
   refuse a non-loopback address without their API key and CURVE keys; see the
@@ -71,6 +85,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +104,8 @@ from proserve.scheduler.tdg import GainConfig
 MAX_SLO_MS = 3_600_000.0
 #: environment variable holding the worker key when no key file is configured
 WORKER_KEY_ENV = "PROSERVE_WORKER_API_KEY"
+#: the admin key (admin_key_file) must be at least this long
+MIN_ADMIN_KEY_LEN = 16
 
 
 #: a worker's --local-policy values that are not scheduler policies: vLLM's own scheduling
@@ -108,6 +125,22 @@ class DecodeSpec:
     url: str
     kv_addr: str
     name: str = ""
+
+
+@dataclass
+class DiscoverSpec:
+    """A DNS name whose A/AAAA records are workers of ``role`` (``[[discover]]``)."""
+
+    role: str                               # "prefill" (or co-located) | "decode"
+    host: str                               # the name resolved, e.g. a headless service
+    port: int                               # the workers' HTTP port
+    scheme: str = "http"
+    interval_s: float = 10.0                # re-resolved this often
+    timeout_s: float = 5.0                  # one resolution may take this long (else: a failure)
+    kv_port: int | None = None              # decode: KV at tcp://ADDR:kv_port (its --kv-listen port)
+    local_policy: str = "slide_batching"    # prefill: the workers' --local-policy
+    latency_model: str | None = None        # prefill: their latency model (default: dispatcher-wide)
+    name_prefix: str = ""                   # worker names: PREFIX + address (default: "<host>-")
 
 
 @dataclass
@@ -152,6 +185,9 @@ class DispatcherConfig:
     stream_queue_events: int = 64          # per stream, events read from the worker but not yet sent
     shutdown_timeout_s: float = 30.0       # on shutdown, how long requests in progress may still run
     worker_api_key_file: str | None = None  # file holding the key the workers demand (else $PROSERVE_WORKER_API_KEY)
+    admin_key_file: str | None = None      # file holding the admin API key; None: the admin API is off
+    latency_model: str | None = None       # latency model of prefill workers added at run time that name none
+    discover: list[DiscoverSpec] = field(default_factory=list)   # DNS discovery ([[discover]])
     record_requests: str | None = None     # JSONL of per-request records
     # the router's approximate index of each prefill worker's prefix cache (issue 14): the prefix
     # blocks of the prompts routed there, as many as its KV memory holds (from its /metrics);
@@ -161,9 +197,11 @@ class DispatcherConfig:
 
     def validate(self, where: str = "config") -> None:
         validate.one_of(where, "dispatcher.deployment", self.deployment, DEPLOYMENTS)
-        if not self.prefill:
-            raise ConfigError(f"{where}: no prefill instances (add [[prefill]] url = ... or --prefill URL)")
-        if self.deployment == DISAGGREGATED and not self.decode:
+        dynamic = {s.role for s in self.discover} | ({"prefill", "decode"} if self.admin_key_file else set())
+        if not self.prefill and "prefill" not in dynamic:
+            raise ConfigError(f"{where}: no prefill instances (add [[prefill]] url = ... or --prefill URL, "
+                              f"a [[discover]] entry, or --admin-key-file to add them at run time)")
+        if self.deployment == DISAGGREGATED and not self.decode and "decode" not in dynamic:
             raise ConfigError(f"{where}: the disaggregated deployment needs decode instances "
                               f"([[decode]] url/kv_addr or --decode URL=KV_ADDR); "
                               f"for whole requests on one instance set deployment = \"colocated\"")
@@ -177,9 +215,12 @@ class DispatcherConfig:
         for k in ("health_failures", "max_concurrent", "max_concurrent_per_key", "stream_queue_events"):
             validate.integer(where, f"dispatcher.{k}", getattr(self, k))
         validate.boolean(where, "dispatcher.prefix_index", self.prefix_index)
-        v = self.worker_api_key_file
-        if v is not None and (not isinstance(v, str) or not v):
-            validate.fail(where, "dispatcher.worker_api_key_file", "a file path", v)
+        for k in ("worker_api_key_file", "admin_key_file", "latency_model"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                validate.fail(where, f"dispatcher.{k}", "a file path", v)
+        for i, s in enumerate(self.discover):
+            check_discover(s, self.deployment, f"{where}: discover[{i}]")
         if self.default_class is not None:
             validate.one_of(where, "dispatcher.default_class", self.default_class, self.classes)
         for k in ("max_queued_requests", "max_queued_tokens"):
@@ -230,6 +271,24 @@ class DispatcherConfig:
                               f"inside)")
         return key
 
+    def admin_key(self) -> str | None:
+        """The admin API's key: ``admin_key_file``'s content (whitespace stripped), at least
+        :data:`MIN_ADMIN_KEY_LEN` printable ASCII characters; None without the file (the
+        admin API is then off)."""
+        if not self.admin_key_file:
+            return None
+        p = Path(self.admin_key_file)
+        try:
+            key = p.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"admin key file {p}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"admin key file {p}: not a text file") from None
+        if len(key) < MIN_ADMIN_KEY_LEN or any(c.isspace() or not c.isprintable() or not c.isascii() for c in key):
+            raise ConfigError(f"admin key file {p}: must hold one key of at least {MIN_ADMIN_KEY_LEN} printable "
+                              f"ASCII characters (no spaces or line breaks inside)")
+        return key
+
     @property
     def resolved_default_class(self) -> str:
         if self.default_class:
@@ -249,6 +308,33 @@ def check_url(url: Any, where: str) -> str:
     except ValueError:
         raise ConfigError(f"{where}: bad port in {url!r}") from None
     return url
+
+
+#: a worker name given at run time (admin API, discovery): it appears in URLs and metric labels
+WORKER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@\[\]-]{0,127}")
+_HOST_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")
+
+
+def check_discover(s: DiscoverSpec, deployment: str, where: str) -> None:
+    validate.one_of(where, "role", s.role, ("prefill", "decode"))
+    if deployment == COLOCATED and s.role == "decode":
+        raise ConfigError(f"{where}: deployment \"colocated\" takes no decode instances")
+    if not isinstance(s.host, str) or not _HOST_RE.fullmatch(s.host):
+        validate.fail(where, "host", "a DNS name like decode.proserve.svc.cluster.local", s.host)
+    validate.integer(where, "port", s.port, 1, 65535)
+    validate.one_of(where, "scheme", s.scheme, ("http", "https"))
+    validate.positive(where, "interval_s", s.interval_s)
+    validate.positive(where, "timeout_s", s.timeout_s)
+    if s.role == "decode":
+        if s.kv_port is None:
+            raise ConfigError(f"{where}: a decode entry needs kv_port (the workers' --kv-listen port)")
+        validate.integer(where, "kv_port", s.kv_port, 1, 65535)
+    check_local_policy(s.local_policy, f"{where}.local_policy")
+    if s.latency_model is not None and (not isinstance(s.latency_model, str) or not s.latency_model):
+        validate.fail(where, "latency_model", "a file path", s.latency_model)
+    if not isinstance(s.name_prefix, str) or len(s.name_prefix) > 64 \
+            or (s.name_prefix and not WORKER_NAME_RE.fullmatch(s.name_prefix)):
+        validate.fail(where, "name_prefix", "at most 64 letters, digits and . _ : @ [ ] -", s.name_prefix)
 
 
 def check_local_policy(name: Any, where: str) -> str:
@@ -293,10 +379,13 @@ _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_clas
                     "request_timeout_s", "stream_idle_timeout_s", "max_body_mb", "header_timeout_s",
                     "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",
                     "max_queued_requests", "max_queued_tokens",
-                    "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed", "prefix_index"}
+                    "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed", "prefix_index",
+                    "admin_key_file", "latency_model"}
 #: keys renamed since: a config file using the old name gets an error naming the new one
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
-_TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode"}
+_TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode", "discover"}
+_DISCOVER_KEYS = {"role", "host", "port", "scheme", "interval_s", "timeout_s", "kv_port", "local_policy",
+                  "latency_model", "name_prefix"}
 
 
 def _table(data: Mapping, key: str, where: str) -> dict:
@@ -329,9 +418,10 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
         raise ConfigError(f"{where}: dispatcher: unknown key(s) {', '.join(sorted(unknown))}")
     for k, v in d.items():
         setattr(cfg, k, v)
-    if isinstance(cfg.worker_api_key_file, str) and base is not None \
-            and not Path(cfg.worker_api_key_file).is_absolute():
-        cfg.worker_api_key_file = str((base / cfg.worker_api_key_file).resolve())
+    for k in ("worker_api_key_file", "admin_key_file", "latency_model"):
+        v = getattr(cfg, k)
+        if isinstance(v, str) and v and base is not None and not Path(v).is_absolute():
+            setattr(cfg, k, str((base / v).resolve()))
     cfg.global_params = _table(data, "global_params", where)
     gain = _table(data, "gain", where)
     try:
@@ -362,6 +452,16 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
         if unknown:
             raise ConfigError(f"{where}: decode[{i}]: unknown key(s) {', '.join(sorted(unknown))}")
         cfg.decode.append(DecodeSpec(x["url"], x["kv_addr"], str(x.get("name", ""))))
+    for i, x in enumerate(_list(data, "discover", where)):
+        if not isinstance(x, dict) or not {"role", "host", "port"} <= set(x):
+            raise ConfigError(f"{where}: discover[{i}] needs role, host and port")
+        unknown = set(x) - _DISCOVER_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: discover[{i}]: unknown key(s) {', '.join(sorted(unknown))}")
+        lm = x.get("latency_model")
+        if isinstance(lm, str) and lm and base is not None and not Path(lm).is_absolute():
+            x = {**x, "latency_model": str((base / lm).resolve())}
+        cfg.discover.append(DiscoverSpec(**x))
     return cfg
 
 

@@ -36,6 +36,13 @@ timeout. An established connection that breaks (reset, closed mid-answer) has
 it checked at once (:meth:`Registry.suspect`). It rejoins by itself after its
 next good check. A prefill worker marked down loses its prefix index (a restarted
 engine's cache is empty): the index starts over from the requests routed there next.
+
+Membership changes at run time (issue 15; :mod:`proserve.dispatcher.membership` drives
+them): :meth:`Registry.add` a worker (its checks start at once; it takes traffic once
+healthy), :meth:`Registry.drain` one (it stays checked, but no policy sees it: not
+routable, like an unhealthy one, while the requests it holds -- ``Worker.active`` --
+finish), :meth:`Registry.remove` one. Router ids (``PrefillInstance.id``,
+``DecodeInstance.id``) are never reused: a worker added later gets a new one.
 """
 
 from __future__ import annotations
@@ -117,6 +124,21 @@ class Worker:
     inflight: set = field(default_factory=set, repr=False)   # asyncio tasks of upstream calls
     last_progress: float = 0.0     # time.monotonic() when bytes of an answer last arrived from it
     key_rejected: bool = False     # it answered 401 to the dispatcher's worker key
+    draining: bool = False         # no new requests go there; the ones it holds finish
+    removed: bool = False          # out of the registry (its last requests may still run there)
+    active: int = 0                # requests with an attempt on it now (routed there, not yet over)
+    source: str = "config"         # config | admin | discover:<host>
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests may go there: healthy, not draining, not removed."""
+        return self.healthy and not self.draining and not self.removed
+
+    @property
+    def state_name(self) -> str:
+        """removed | draining | healthy | down, as the admin API lists it."""
+        return ("removed" if self.removed else "draining" if self.draining
+                else "healthy" if self.healthy else "down")
 
     def mark_down(self, why: str) -> None:
         if self.healthy:
@@ -242,6 +264,11 @@ class Registry:
             w = DecodeWorker("decode", s.name, s.url.rstrip("/"), kv_addr=s.kv_addr)
             w.state = DecodeInstance(j, 0, healthy=False)
             self.decode.append(w)
+        # router ids of workers added later: never one a worker had before (removed ones included)
+        self._next_id = {"prefill": len(self.prefill), "decode": len(self.decode)}
+        # the latency models of workers added later: read now, so that a bad file stops the start
+        for path in {cfg.latency_model, *(s.latency_model for s in cfg.discover if s.role == "prefill")} - {None}:
+            modelfile.load(Path(path))      # ConfigError naming the file
         self._task: asyncio.Task | None = None          # the health loop
         self._checks: dict[str, asyncio.Task] = {}      # its checks in progress, per worker
 
@@ -375,7 +402,7 @@ class Registry:
 
     @staticmethod
     def _sync(w: Worker) -> None:
-        w.state.healthy = w.healthy
+        w.state.healthy = w.routable    # a draining worker is out of every policy's candidates
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))
@@ -434,9 +461,59 @@ class Registry:
         that really died also refuses the next connection (:meth:`failed`)."""
         logger.info("%s worker %s: a connection broke (%s); checking it now", w.role, w.name, why)
         self._owner.metrics.broken_connections.labels(w.name).inc()
+        if w.removed:
+            return                 # no longer checked: its last requests fail over as usual
         t = self._checks.get(w.name)
         if t is None or t.done():
             self._checks[w.name] = asyncio.get_running_loop().create_task(self._check_logged(w))
+
+    # -- membership ------------------------------------------------------------------------
+    def find(self, name: str) -> Worker | None:
+        return next((w for w in self.workers if w.name == name), None)
+
+    def add(self, role: str, name: str, url: str, *, kv_addr: str = "", local_policy: str = "slide_batching",
+            latency_model: str | None = None, source: str = "admin") -> Worker:
+        """A new worker (the caller checked its fields and that its name and URL are
+        free): out of the candidate set until its first check passes; that check starts
+        now when the event loop runs (the health loop's timer would start it too)."""
+        rid = self._next_id[role]
+        self._next_id[role] += 1
+        if role == "prefill":
+            w = PrefillWorker("prefill", name, url.rstrip("/"), source=source)
+            spec = PrefillSpec(url, latency_model or self.cfg.latency_model, name, local_policy)
+            w.state = PrefillInstance(rid, _estimator(spec), order=router_order(local_policy))
+            w.state.healthy = False
+            self.prefill.append(w)
+        else:
+            w = DecodeWorker("decode", name, url.rstrip("/"), kv_addr=kv_addr, source=source)
+            w.state = DecodeInstance(rid, 0, healthy=False)
+            self.decode.append(w)
+        logger.info("%s worker %s (%s) added (%s)", role, name, w.url, source)
+        if self._task is not None:
+            self._checks[name] = asyncio.get_running_loop().create_task(self._check_logged(w))
+        return w
+
+    def drain(self, w: Worker, on: bool = True) -> None:
+        """``w`` takes no new requests (``on``), or takes them again; its own stay."""
+        if w.draining != on:
+            logger.info("%s worker %s (%s) %s", w.role, w.name, w.url,
+                        f"draining ({w.active} requests on it)" if on else "takes requests again")
+        w.draining = on
+        self._sync(w)
+
+    def remove(self, w: Worker) -> None:
+        """``w`` leaves the registry: no checks, no new requests. Requests still on it are
+        left to run (as on a draining worker); a connection failure fails them over as usual."""
+        if isinstance(w, PrefillWorker):
+            self.prefill.remove(w)
+        else:
+            self.decode.remove(w)
+        w.removed = True
+        self._sync(w)
+        t = self._checks.pop(w.name, None)
+        if t is not None:
+            t.cancel()
+        logger.info("%s worker %s (%s) removed (%d requests still on it)", w.role, w.name, w.url, w.active)
 
     def key_rejected(self, w: Worker, why: str) -> None:
         """``w`` answered 401 to the dispatcher: a configuration error (the worker key),
@@ -450,10 +527,11 @@ class Registry:
 
     # -- views -----------------------------------------------------------------------------
     def live_prefill(self, exclude: set[str] = frozenset()) -> list[PrefillWorker]:
-        return [w for w in self.prefill if w.healthy and w.name not in exclude]
+        """The prefill workers new requests may go to (healthy, not draining)."""
+        return [w for w in self.prefill if w.routable and w.name not in exclude]
 
     def live_decode(self, exclude: set[str] = frozenset()) -> list[DecodeWorker]:
-        return [w for w in self.decode if w.healthy and w.name not in exclude]
+        return [w for w in self.decode if w.routable and w.name not in exclude]
 
     @property
     def model_name(self) -> str | None:
@@ -467,10 +545,11 @@ class Registry:
         lens = [w.max_model_len for w in self.workers if w.max_model_len]
         return min(lens) if lens else None
 
-    def status(self) -> list[dict]:
+    def status(self, workers: list[Worker] | None = None) -> list[dict]:
         out = []
-        for w in self.workers:
-            d = {"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "last_error": w.last_error}
+        for w in self.workers if workers is None else workers:
+            d = {"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "last_error": w.last_error,
+                 "state": w.state_name, "requests": w.active, "source": w.source}
             if isinstance(w, PrefillWorker):
                 d["queued"] = len(w.state.queue)
                 d["beta"] = round(w.beta, 4)
@@ -480,6 +559,7 @@ class Registry:
                 if w.state.kv_usage is not None:
                     d["kv_usage"] = round(w.state.kv_usage, 4)
             elif isinstance(w, DecodeWorker):
+                d["kv_addr"] = w.kv_addr
                 d["free_kv_blocks"] = w.state.free_blocks
             d["inflight"] = len(w.inflight)
             out.append(d)

@@ -17,12 +17,18 @@ slo_unreachable or queue_full.
 
 Hardening: requests refused before routing by reason (``rejected``: auth,
 body_too_large, body_timeout, header_timeout, overloaded, client_overloaded,
-bad_json, and admission control's slo_unreachable, queue_full), timeouts by
+bad_json, and admission control's slo_unreachable, queue_full; admin_auth), timeouts by
 kind (header, body, stream_idle, request), health checks per instance by
 result (ok, timeout_progressing, timeout, refused, bad_status, unauthorized,
 bad_answer), failed /metrics scrapes, KV fallbacks
 (decode legs sent without the pushed KV), the stream queues' back-pressure
 waits and high-water mark, requests a client abandoned (upstream cancelled).
+
+Membership (issue 15): workers added, drained, resumed and removed at run time
+(``membership_changes{role, action, source}``, source admin or discover), a gauge of the
+draining ones, and failed DNS resolutions (``discovery_errors{host, reason}``: timeout,
+error, empty, too_many). A removed worker's gauges leave the page once its last request
+ends; its counters stay.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ class Metrics:
         self.rejected = Counter("proserve:dispatcher_rejected", "Requests refused before routing, by reason "
                                 "(auth 401, body_too_large 413, body_timeout 408, header_timeout (connection "
                                 "closed), overloaded / client_overloaded 429, bad_json 400: unparsable body, "
-                                "slo_unreachable / queue_full 429: admission control)",
+                                "slo_unreachable / queue_full 429: admission control, admin_auth: an admin API call without "
+                                "the admin key, 401/403)",
                                 ["reason"], registry=r)
         self.admission = Counter("proserve:dispatcher_admission", "Admission decisions per class the request "
                                  "came in (when admission control is configured): admit, queue (no instance can "
@@ -97,6 +104,14 @@ class Metrics:
                                     "recomputes the prompt)", ["decode", "reason"], registry=r)
         self.backpressure = Counter("proserve:dispatcher_stream_backpressure", "Times an upstream stream's "
                                     "read waited for the client (its queue was full)", registry=r)
+        self.membership = Counter("proserve:dispatcher_membership_changes", "Workers added, drained, resumed "
+                                  "and removed at run time (source: admin API or DNS discovery)",
+                                  ["role", "action", "source"], registry=r)
+        self.discovery_errors = Counter("proserve:dispatcher_discovery_errors", "DNS discovery resolutions that "
+                                        "failed (the current workers are kept), by reason: timeout, error, empty "
+                                        "(no address), too_many", ["host", "reason"], registry=r)
+        self.draining = Gauge("proserve:dispatcher_instance_draining", "1 if the instance is draining (takes no "
+                              "new requests)", ["role", "instance"], registry=r)
         self.queue_peak = Gauge("proserve:dispatcher_stream_queue_peak_events", "Most events any stream's "
                                 "queue held at once since start (bounded by stream_queue_events)", registry=r)
         #: the high-water mark itself, a plain int (updated per event; exported on render)
@@ -107,8 +122,19 @@ class Metrics:
             self.queue.labels(w.name).set(len(w.state.queue))
             self.beta.labels(w.name).set(w.beta)
             self.healthy.labels(w.role, w.name).set(1 if w.healthy else 0)
+            self.draining.labels(w.role, w.name).set(1 if w.draining else 0)
         for w in registry.decode:
             self.free_blocks.labels(w.name).set(w.state.free_blocks)
             self.healthy.labels(w.role, w.name).set(1 if w.healthy else 0)
+            self.draining.labels(w.role, w.name).set(1 if w.draining else 0)
         self.queue_peak.set(self.stream_queue_peak)
         return generate_latest(self.registry)
+
+    def forget(self, w) -> None:
+        """Worker ``w`` left: its gauges leave the page (its counters stay)."""
+        for gauge, labels in ((self.queue, (w.name,)), (self.beta, (w.name,)), (self.free_blocks, (w.name,)),
+                              (self.healthy, (w.role, w.name)), (self.draining, (w.role, w.name))):
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass

@@ -85,7 +85,7 @@ from proserve.scheduler.tdg import slo_attained
 
 from . import fanout
 from .auth import Authorizer, Grant
-from .config import DispatcherConfig, KeyEntry
+from .config import ConfigError, DispatcherConfig, KeyEntry
 from .errors import ApiError, UpstreamError, error_body
 from .http_protocol import http_protocol
 from .instances import (
@@ -98,6 +98,7 @@ from .instances import (
     read_capped,
 )
 from .limits import ConcurrencyLimiter
+from .membership import Membership, add_admin_routes
 from .metrics import Metrics
 from .requests import (
     CHAT,
@@ -174,8 +175,14 @@ class Dispatcher:
                                    getattr(self.policy, "order", "deadline")) \
             if adm.active else None
         self.metrics = Metrics()
-        self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)
         self.worker_key = cfg.worker_api_key()   # ConfigError naming the file when unreadable/empty
+        self.admin_key = cfg.admin_key()         # None: the admin API is off (ConfigError when unreadable)
+        if self.admin_key is not None and keys and self.admin_key in keys:
+            raise ConfigError("the admin key must not be a client API key")
+        if self.admin_key is not None and self.admin_key == self.worker_key:
+            raise ConfigError("the admin key must not be the worker key")
+        self.membership = Membership(self)
+        self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)
         self._record = open(cfg.record_requests, "a", buffering=1) if cfg.record_requests else None
         self._tokenize_rr = 0
         # per-call timeouts: a stream may go silent for stream_idle_timeout_s between events;
@@ -197,14 +204,19 @@ class Dispatcher:
         if self.auth.open_access:
             logger.warning("no API keys configured (--keys): open access, every client may ask for any "
                            "priority class")
+        if self.admin_key is not None:
+            logger.info("admin API on (/admin/workers)")
+        await self.membership.discover_all()     # DNS discovery's first round (each bounded by its timeout_s)
         ok = await self.registry.wait_ready(wait_s) if wait_s > 0 else (await self.registry.check_all()) or False
         if not ok:
             down = [f"{w.name} ({w.url}): {w.last_error}" for w in self.registry.workers if not w.healthy]
             if down:
                 logger.warning("not healthy yet: %s", "; ".join(down))
         self.registry.start()
+        self.membership.start()
 
     async def close(self) -> None:
+        await self.membership.stop()
         await self.registry.stop()
         if self.http is not None:
             await self.http.close()
@@ -563,6 +575,9 @@ class Dispatcher:
         allowed = self._admit(job, time.time())   # admission control, once (a retry goes to any live instance)
         for attempt in range(2):
             p, d = self._route(job, bad, allowed if attempt == 0 else None)
+            held = [p] if d is None else [p, d]      # the workers this attempt occupies (Worker.active)
+            for w in held:
+                w.active += 1
             # a fresh KV transfer id per attempt: the workers key their transfer state by it,
             # and a late outcome of the first attempt must not touch the second's
             xfer_id = f"{job.id}-{attempt}"
@@ -577,6 +592,9 @@ class Dispatcher:
                         leg, xfer = d, {"do_remote_prefill": True, "xfer_id": xfer_id}
                     else:
                         leg = self._kv_fallback(job, d, failure, bad)
+                        if leg is not d:
+                            held.append(leg)
+                            leg.active += 1
                 if job.stream:
                     async for chunk in self._stream(leg, job.path, serve_body(job, xfer, True)):
                         if d is None and not sent:
@@ -604,6 +622,12 @@ class Dispatcher:
             finally:
                 # this attempt is over: out of PrefillQueueMap[p], or out of p's n_d
                 self.router_host.released(job.sreq, time.time())
+                for w in held:
+                    w.active -= 1
+                    if not w.active and w.removed:
+                        self.membership.retired(w)
+                    elif not w.active and w.draining:
+                        self.membership.idle(w)
         raise ApiError(504 if timed_out else 502, "the request failed on two instances: " + " | ".join(errors))
 
     # -- accounting ------------------------------------------------------------------------------
@@ -1143,5 +1167,7 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
     @app.get("/metrics")
     async def metrics():
         return Response(M.render(D.registry), media_type="text/plain; version=0.0.4")
+
+    add_admin_routes(app, D, read_body, parse_json, error)
 
     return app
