@@ -1150,7 +1150,13 @@ def create_app(dispatcher: Dispatcher, wait_s: float = 0.0):
         return await serve(request, CHAT)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        # behind the client keys like vLLM's own /v1/models (only /health and /metrics are open)
+        try:
+            D.auth.authenticate(request.headers)
+        except ApiError as e:
+            M.rejected.labels("auth").inc()
+            return error(e)
         name = D.cfg.model or D.registry.model_name
         data = []
         if name:

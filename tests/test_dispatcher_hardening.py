@@ -85,6 +85,21 @@ def test_key_is_checked_before_the_body_is_read():
     run(go())
 
 
+def test_model_list_needs_a_client_key():
+    """/v1/models is behind the client keys, as vLLM's own (only /health and /metrics are open)."""
+    async def go():
+        async with harness() as h:
+            for key, code in ((None, "missing_api_key"), ("sk-wrong-0000", "invalid_api_key")):
+                headers = {"authorization": f"Bearer {key}"} if key else {}
+                r = await h.http.get("/v1/models", headers=headers)
+                assert r.status_code == 401 and is_openai_error(r.json(), 401)
+                assert r.json()["error"]["code"] == code
+            r = await h.http.get("/v1/models", headers={"authorization": "Bearer sk-low-0000001"})
+            assert r.status_code == 200 and r.json()["object"] == "list"
+            assert (await h.http.get("/health")).status_code == 200
+    run(go())
+
+
 def test_body_over_the_limit_by_content_length_is_refused_unread():
     async def go():
         async with harness(max_body_mb=0.1) as h:
