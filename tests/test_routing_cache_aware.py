@@ -182,3 +182,44 @@ def test_in_the_simulator_each_keeps_conversations_on_their_cache(name):
         hits[glob] = res.prefix_hit_tokens / res.prefix_prompt_tokens
         assert all(p.kv_usage is not None and 0.0 <= p.kv_usage <= 1.0 for p in sim.p_states)
     assert hits[name] > hits["round_robin"] + 0.2, hits
+
+
+# -- GoRouting's KV capability (kv_fit) and its most_room fallback ---------------------------------
+
+def test_go_routing_keeps_a_request_off_an_instance_whose_kv_cannot_hold_it():
+    """Instance 0 is idle but its KV is nearly full (500 tokens free): a 2,000-token prompt
+    cannot start there until decodes finish, which ESTIMATEEXEC does not see. kv_fit puts it in
+    H and out of L; without a reported usage the rule is inert."""
+    insts, qm = cluster(cache_tokens=10_000)
+    queue(qm, 1, 1, prompt=300)                   # 1 has a little queued work, 2 more
+    queue(qm, 2, 2, prompt=300)
+    for p, u in zip(insts, (0.95, 0.3, 0.3)):
+        p.kv_usage = u
+    r = req("r", 2000)
+    blind = make_global("go_routing", deployment=COLOCATED, kv_fit=False)
+    assert blind.route(r, insts)[0].id == 0 and blind.last_decision.branch == "light"
+    fit = make_global("go_routing", deployment=COLOCATED)
+    assert fit.route(r, insts)[0].id == 1
+    assert 0 in fit.last_decision.heavy and 0 not in fit.last_decision.light
+    for p in insts:
+        p.kv_usage = None                         # not reported: every instance may hold it
+    assert fit.route(r, insts)[0].id == 0
+    with pytest.raises(ConfigError):
+        make_global("go_routing", kv_fit="yes")
+
+
+def test_go_routing_fallbacks_pick_among_instances_that_can_hold_the_request():
+    """A request no instance can serve before its TTFT SLO (line 19): the random fallback draws
+    among the instances with KV room for it; most_room takes the one with the most."""
+    insts, qm = cluster(n=4, cache_tokens=100_000)
+    for p, u in zip(insts, (0.99, 0.5, 0.2, 0.99)):
+        p.kv_usage = u
+    r = Request("big", "high", 2.0, 1.0, 1.0, 0.0, 20_000, output_len=8)   # 20 s of prefill > 1 s TTFT
+    picks = {make_global("go_routing", deployment=COLOCATED, seed=s).route(r, insts)[0].id for s in range(30)}
+    assert picks == {1, 2}                        # 0 and 3 have 1,000 tokens free
+    most = make_global("go_routing", deployment=COLOCATED, fallback="most_room")
+    assert most.route(r, insts)[0].id == 2 and most.last_decision.branch == "fallback"
+    for p in insts:
+        p.kv_usage = 0.999                        # none can hold it: every instance stays a choice
+    picks = {make_global("go_routing", deployment=COLOCATED, seed=s).route(r, insts)[0].id for s in range(40)}
+    assert picks == {0, 1, 2, 3}

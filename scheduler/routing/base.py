@@ -23,6 +23,7 @@ released, finished) to :class:`proserve.scheduler.host.RouterHost`, which moves 
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -87,6 +88,16 @@ def expected_hit(p: PrefillInstance, req: Request) -> int:
     if p.prefix is None or not req.prefix_blocks or req.prefilled or req.token_times:
         return 0
     return cached_tokens(req, p.prefix.peek(req.prefix_blocks), p.block_size)
+
+
+def kv_room(p: PrefillInstance) -> float:
+    """KV tokens ``p`` has left for new prefills, as the router sees it: its free KV memory
+    (``kv_usage`` as last reported, of ``cache_tokens``) less the prefill tokens still queued
+    there (recorded at dispatch, net of their expected hits); ∞ where either is unknown.
+    Approximate: a queued request partly prefilled counts twice (in the usage and the queue)."""
+    if p.kv_usage is None or not p.cache_tokens:
+        return math.inf
+    return p.cache_tokens * (1.0 - p.kv_usage) - sum(lq for lq, _ in p.dispatched.values())
 
 
 class PrefillQueueMap:

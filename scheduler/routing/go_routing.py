@@ -49,6 +49,20 @@ Defaults (the paper gives none; all settable, validated):
   most requests (see docs/results.md).
 * ``eta`` (co-located only): floor of the t_budget estimate, default the
   tightest class TPOT SLO, as SlideBatching's η (see ``estimates.resolve_eta``).
+* ``kv_fit = True`` (not the paper's): KV memory is a capability too. An
+  instance whose free KV (``routing.base.kv_room``: the reported
+  ``kv_usage`` less the prefills queued there) cannot hold req's prompt (net
+  of its expected cached prefix) cannot start req's prefill until decodes free
+  memory, which ESTIMATEEXEC (compute time) does not see: it is put in H and
+  kept out of L, and line 19's fallback picks among the instances that can
+  hold req when any can. Inert where the usage is not reported or every
+  prompt fits (short prompts); on the Mooncake trace (15k-token prompts, an
+  instance's KV holds ~7) it is what keeps GoRouting from queueing behind a
+  full cache (docs/results.md §2.3).
+* ``fallback = "random"``'s alternatives: ``"min_load"`` (above) and
+  ``"most_room"``, the instance with the most KV room: a request that can meet
+  its TTFT nowhere starts its prefill, and its decode catches up, soonest
+  where its KV can be allocated (§2.3).
 * ``order = "local"``: the queue order ESTIMATEGAIN assumes on each instance
   (issue 14, not the paper's): ``"local"`` takes the order its local policy
   serves in (``PrefillInstance.order``, from the policy's ``router_order``:
@@ -91,10 +105,10 @@ from dataclasses import dataclass, field
 
 from .. import validate
 from ..registry import register_global
-from .base import DISAGGREGATED, GlobalPolicy
+from .base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_room
 from .estimates import evaluate, order_of, resolve_eta, resolve_order
 
-FALLBACKS = ("random", "min_load")
+FALLBACKS = ("random", "min_load", "most_room")
 BRANCHES = ("light", "fill", "balance", "fallback")
 
 
@@ -122,7 +136,7 @@ class GoRouting(GlobalPolicy):
 
     def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
                  alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None,
-                 fallback: str = "random", order: str = "local"):
+                 fallback: str = "random", order: str = "local", kv_fit: bool = True):
         super().__init__(gain, classes, deployment, seed)
         n = self.name
         self.alpha = validate.number(n, "alpha", alpha, 0, 1, lo_open=True)
@@ -133,6 +147,7 @@ class GoRouting(GlobalPolicy):
         self.eta = resolve_eta(eta, self.classes, n)
         self.fallback = validate.one_of(n, "fallback", fallback, FALLBACKS)
         self.order = resolve_order(order, n)
+        self.kv_fit = validate.boolean(n, "kv_fit", kv_fit)
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):
@@ -148,6 +163,10 @@ class GoRouting(GlobalPolicy):
         # line 13's "most idle": as written the least backlog; schedule-aware, req's own wait less
         # the prefill its cached prefix saves there (the prefix index; 0 without one)
         light = [w - e.saved for w, e in zip(wait, ests)]
+        # kv_fit: can p's free KV hold req's prompt (net of its cached prefix) now?
+        rooms = [kv_room(p) for p in prefills] if self.kv_fit or self.fallback == "most_room" else None
+        fits = [r >= req.remaining_prefill - expected_hit(p, req) for r, p in zip(rooms, prefills)] \
+            if self.kv_fit else None
         delta_max = max(e.delta for e in ests)
         # line 8; the relative slack absorbs float noise in sums of equal weights
         thr = self.alpha * delta_max - 1e-9 * abs(delta_max)
@@ -158,6 +177,9 @@ class GoRouting(GlobalPolicy):
             ttft = req.ttft_slo
             L = [i for i in C if wait[i] < self.mu * ttft]                  # line 10
             H = [i for i in C if ests[i].exec_with > self.lam * ttft]       # line 11
+            if fits is not None and not all(fits):                          # kv_fit: no room is heavy
+                L = [i for i in L if fits[i]]
+                H = sorted(set(H) | {i for i in C if not fits[i]})
             if L:                                                           # line 13: most idle in L
                 best, branch = min(L, key=lambda i: (light[i], tie[i])), "light"
             else:
@@ -168,10 +190,18 @@ class GoRouting(GlobalPolicy):
                                                             prefills[i].id)), "fill"
                 else:                                                       # line 17: least loaded of C
                     best, branch = min(C, key=lambda i: (fin[i], tie[i])), "balance"
-        elif self.fallback == "min_load":                                   # variant of line 19
-            best, branch = min(range(len(prefills)), key=tie.__getitem__), "fallback"
-        else:                                                               # line 19: RANDOMSELECT(P)
-            best, branch = self.rng.randrange(len(prefills)), "fallback"
+        else:
+            # line 19's pool: with kv_fit, the instances that can hold req (all if none can)
+            pool = list(range(len(prefills)))
+            if fits is not None and not all(fits):
+                pool = [i for i in pool if fits[i]] or pool
+            if self.fallback == "min_load":                                 # variant of line 19
+                best = min(pool, key=tie.__getitem__)
+            elif self.fallback == "most_room":                              # variant of line 19
+                best = min(pool, key=lambda i: (-rooms[i], tie[i]))
+            else:                                                           # line 19: RANDOMSELECT(P)
+                best = pool[self.rng.randrange(len(pool))]
+            branch = "fallback"
         ids = [p.id for p in prefills]
         self.last_decision = GoDecision(
             request=req.id, chosen=ids[best], branch=branch, delta_max=delta_max,
