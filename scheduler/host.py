@@ -225,7 +225,9 @@ class RouterHost:
     * :meth:`requeued` — preempted on ``p`` while decoding, back to prefill there;
     * :meth:`released` — the request no longer occupies ``p`` (its attempt there ended:
       done, failed, or retried elsewhere);
-    * :meth:`finished` — the request ended for good (released, and the router told).
+    * :meth:`finished` — the request ended for good (released, and the router told);
+    * :meth:`published` — with several dispatchers, an instance's publication of its queued
+      prefill work: the view becomes it plus this dispatcher's own dispatches not in it yet.
 
     Every event may come more than once or out of place (a failure path repeating a
     release): the host remembers where each request is and ignores what no longer applies.
@@ -282,6 +284,26 @@ class RouterHost:
             self.qmap.decode_finished(at[0], req.prompt_len)
         else:
             self.qmap.remove(at[0], req, now)
+
+    def published(self, inst_id: int, queued: Sequence[tuple[Request, int, int]], ts: float,
+                  n_decode: int | None = None, decode_kv: float | None = None) -> None:
+        """Instance ``inst_id`` published its queued prefill work (several dispatchers, issue 15):
+        ``queued`` = ``(request, l_q, l_kv)`` per request waiting for prefill there as its engine
+        knows it at ``ts`` (every dispatcher's), co-located also ``n_decode`` and ``decode_kv``.
+        This dispatcher's view of it becomes the publication plus its own dispatches there the
+        publication does not list yet (:meth:`PrefillQueueMap.published`); the requests it
+        dispatched keep moving the map by their events as before, and those of other
+        dispatchers are seen from one publication to the next."""
+        listed = {r.id for r, _, _ in queued}
+        at = self._at
+        keep = []
+        for r in self.qmap[inst_id].queue:
+            if r.id in listed:
+                continue
+            a = at.get(r.id)
+            if a is not None and a[0] == inst_id and not a[1]:
+                keep.append(r)
+        self.qmap.published(inst_id, queued, ts, keep, n_decode, decode_kv)
 
     def finished(self, req: Request, now: float) -> None:
         """``req`` ended (its last token, a failure, an abort): released, and the router told."""

@@ -120,6 +120,9 @@ def run_spec(spec: RunSpec, keep_requests: bool = False) -> dict:
         "duration_s": res.duration, "gain": {"w_p": gain.w_p, "w_d": gain.w_d, "deadline": gain.deadline},
         "metrics": metrics_dict(res.requests, gain, res.duration),
     }
+    if spec.sim.dispatchers > 1:
+        out["dispatchers"] = spec.sim.dispatchers
+        out["dispatcher_sync"] = spec.sim.sync_mode
     if res.admission:
         out["admission"] = res.admission
         add_admission(out["metrics"], res.admission)
@@ -176,6 +179,20 @@ def _add_common(p: argparse.ArgumentParser, deployment: bool = True) -> None:
         c.add_argument("--prefill-instances", type=int, default=4,
                        help="disaggregated prefill instances (default 4)")
         c.add_argument("--decode-instances", type=int, default=4, help="disaggregated decode instances (default 4)")
+    c.add_argument("--dispatchers", type=int, default=1,
+                   help="dispatchers in front of the instances, arrivals spread over them as a load balancer "
+                        "would (default 1; issue 15)")
+    c.add_argument("--dispatcher-sync", choices=["blind", "publish", "shared"],
+                   help="with several dispatchers, what each sees of the others' dispatches: 'blind' (nothing: "
+                        "its own PrefillQueueMap only), 'publish' (default with --dispatchers > 1: instances "
+                        "publish their queued prefill work every --publish-interval; a dispatcher's view is the "
+                        "last publication plus its own dispatches since) or 'shared' (one map for all: the "
+                        "upper bound)")
+    c.add_argument("--publish-interval", type=float, default=0.05,
+                   help="seconds between the instances' publications of their queued work (default 0.05)")
+    c.add_argument("--dispatcher-spread", choices=["round_robin", "random"], default="round_robin",
+                   help="how the load balancer spreads arrivals over the dispatchers (default round_robin; "
+                        "random is seeded)")
     c.add_argument("--latency-model", help="latency-model JSON (default: bundled 7B-class sketch)")
     c.add_argument("--true-latency-model", help="model the simulated hardware follows, if different "
                                                 "from the one the policies estimate with (exercises β)")
@@ -262,7 +279,9 @@ def _spec_from(args, local: str, glob: str, rate: float | None, seed: int) -> Ru
         first_token=args.first_token, dispatch_delay=args.dispatch_delay, handoff_delay=args.handoff_delay,
         stream_delay=args.stream_delay, prefix_cache=args.prefix_cache, prefix_index=args.prefix_index,
         admission=AdmissionConfig(actions, args.max_queued_requests, args.max_queued_tokens),
-        max_concurrent=args.max_concurrent, max_concurrent_per_class=args.max_concurrent_per_class)
+        max_concurrent=args.max_concurrent, max_concurrent_per_class=args.max_concurrent_per_class,
+        dispatchers=args.dispatchers, dispatcher_sync=args.dispatcher_sync,
+        publish_interval_s=args.publish_interval, dispatcher_spread=args.dispatcher_spread)
     return RunSpec(trace=args.trace, trace_format=args.trace_format, rate=rate,
                    num_requests=args.num_requests or None, seed=seed, classes=classes, shares=shares,
                    latency_model=args.latency_model, w_p=args.w_p, w_d=args.w_d, deadline=args.deadline, sim=sim,

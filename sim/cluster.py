@@ -32,6 +32,27 @@ generator scores it: in the class the client sent it in. ``SimResult.admission``
 counts every decision per class; ``Simulator.downgraded`` maps each downgraded
 request to the class it was served in.
 
+Several dispatchers (issue 15; ``dispatchers``, default 1): arrivals are spread over N
+dispatchers (round-robin, or at random, as a load balancer in front of them would), each
+with its own routing policy object and its own view of the instances (PrefillInstance
+list and :class:`~proserve.scheduler.host.RouterHost`), moved by the events of the
+requests it dispatched. ``dispatcher_sync`` says what else a dispatcher sees:
+
+* ``"blind"``: nothing: it routes blind to the others' dispatches (each dispatcher's own
+  PrefillQueueMap, as N dispatchers of today would);
+* ``"publish"`` (the default with N > 1): every ``publish_interval_s`` each instance
+  publishes its queued prefill work (each waiting request with its remaining prefill and
+  KV length as the engine knows it, as of the start of the step in progress; co-located
+  also its decodes), and every dispatcher's view of it becomes that publication plus its
+  own dispatches the publication does not hold yet (``RouterHost.published``): its own
+  dispatches are never lost, the others' appear within one interval;
+* ``"shared"``: one PrefillQueueMap for all (dispatchers that share every dispatch at
+  once: the upper bound), each still with its own policy object (its own random fallback).
+
+With one dispatcher (and ``dispatcher_sync`` left at None) the simulator is what it was.
+``Simulator.router``, ``.p_states`` and ``.router_host`` are dispatcher 0's;
+``Simulator.dispatchers`` lists them all.
+
 Step times come from a latency model (Eq. 4-7), optionally with multiplicative
 log-normal noise, and optionally from a *different* "true" model than the one
 the policies estimate with, so that the online correction β has something to
@@ -69,7 +90,11 @@ DEPLOYMENTS = (COLOCATED, DISAGGREGATED)
 FIRST_TOKEN = ("prefill", "decode")
 
 # event kinds, ordered so that simultaneous events resolve deterministically
-_STEP_DONE, _KV_ARRIVED, _ARRIVAL, _ENQUEUE = 0, 1, 2, 3
+_STEP_DONE, _KV_ARRIVED, _ARRIVAL, _ENQUEUE, _PUBLISH = 0, 1, 2, 3, 4
+# several dispatchers (issue 15): what a dispatcher sees of the others' dispatches, and how
+# arrivals are spread over the dispatchers
+DISPATCHER_SYNC = ("blind", "publish", "shared")
+DISPATCHER_SPREAD = ("round_robin", "random")
 
 
 @dataclass
@@ -112,11 +137,27 @@ class SimConfig:
     prefix_cache: bool = True
     # ... and the router keeps an approximate index of each instance's cache (routing.base.expected_hit)
     prefix_index: bool = True
+    # Several dispatchers (issue 15; module doc): N dispatchers, each routing the arrivals a load
+    # balancer gives it (``dispatcher_spread``), with what it sees of the others' dispatches:
+    # "blind", "publish" (instances publish their queued prefill work every publish_interval_s)
+    # or "shared"; None: "publish" with N > 1, and with N = 1 the single dispatcher of old
+    dispatchers: int = 1
+    dispatcher_sync: str | None = None
+    publish_interval_s: float = 0.05
+    dispatcher_spread: str = "round_robin"
+
+    @property
+    def sync_mode(self) -> str:
+        """``dispatcher_sync`` resolved: "publish" with several dispatchers, "shared" (one map:
+        today's single dispatcher) with one."""
+        if self.dispatcher_sync is not None:
+            return self.dispatcher_sync
+        return "publish" if self.dispatchers > 1 else "shared"
 
     def validate(self) -> None:
         W = "simulator"
         validate.one_of(W, "deployment", self.deployment, DEPLOYMENTS)
-        for k in ("instances", "prefill_instances", "decode_instances", "max_macro_steps"):
+        for k in ("instances", "prefill_instances", "decode_instances", "max_macro_steps", "dispatchers"):
             validate.integer(W, k, getattr(self, k))
         validate.non_negative(W, "noise_cv", self.noise_cv)
         validate.positive(W, "kv_bandwidth", self.kv_bandwidth)
@@ -127,6 +168,10 @@ class SimConfig:
                   "max_concurrent_per_class"):
             if getattr(self, k) is not None:
                 validate.integer(W, k, getattr(self, k))
+        if self.dispatcher_sync is not None:
+            validate.one_of(W, "dispatcher_sync", self.dispatcher_sync, DISPATCHER_SYNC)
+        validate.positive(W, "publish_interval_s", self.publish_interval_s)
+        validate.one_of(W, "dispatcher_spread", self.dispatcher_spread, DISPATCHER_SPREAD)
 
 
 @dataclass
@@ -155,6 +200,16 @@ class SimResult:
     # co-located) instance, and how many of them were found cached there
     prefix_prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
+
+
+@dataclass
+class Dispatcher:
+    """One dispatcher (issue 15): its routing policy object and its view of the instances."""
+
+    index: int
+    router: object                 # a GlobalPolicy
+    p_states: list[PrefillInstance]
+    host: RouterHost
 
 
 class _Instance:
@@ -237,12 +292,28 @@ class Simulator:
         self.router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
                                   deployment=dep, seed=config.seed, **config.global_params)
         # the router's view; with prefix caching, an approximate index of each instance's cache
-        cache_tokens = self.num_blocks * self.block_size if config.prefix_cache and config.prefix_index else 0
-        self.p_states = [PrefillInstance(i.id, i.est, order=type(i.policy).router_order, cache_tokens=cache_tokens,
-                                         block_size=self.block_size) for i in self.front]
+        self.p_states = self._views()
         self.d_states = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
         # the global side: PrefillQueueMap updates and router notifications, from events
         self.router_host = RouterHost(self.router, self.p_states)
+        # several dispatchers (issue 15): dispatcher 0 is the one above; each other has its own
+        # policy object (its own seed) and, unless "shared", its own view and RouterHost
+        self.sync = config.sync_mode
+        self.dispatchers = [Dispatcher(0, self.router, self.p_states, self.router_host)]
+        for k in range(1, config.dispatchers):
+            seed_k = int(np.random.SeedSequence([config.seed, k]).generate_state(1)[0])
+            router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
+                                 deployment=dep, seed=seed_k, **config.global_params)
+            if self.sync == "shared":
+                self.dispatchers.append(Dispatcher(k, router, self.p_states, self.router_host))
+            else:
+                views = self._views()
+                self.dispatchers.append(Dispatcher(k, router, views, RouterHost(router, views)))
+        self._disp_of: dict[str, int] = {}   # request id -> the dispatcher it arrived at (N > 1)
+        self._arrivals = 0
+        self._spread_rng = np.random.default_rng([config.seed, 15]) \
+            if config.dispatchers > 1 and config.dispatcher_spread == "random" else None
+        self.publications = 0
         # admission control: the dispatcher's rule (scheduler.admission) on the router's estimate
         adm = config.admission.check(self.classes, "simulator")
         self.admission = Admission(adm, self.classes, self.gain, dep, getattr(self.router, "eta", None),
@@ -265,6 +336,13 @@ class Simulator:
         self._decode_target: dict[str, int] = {}
         self._kv_source: dict[str, _Instance] = {}
 
+    def _views(self) -> list[PrefillInstance]:
+        """A dispatcher's view of the prefill (or co-located) instances."""
+        cfg = self.cfg
+        cache_tokens = self.num_blocks * self.block_size if cfg.prefix_cache and cfg.prefix_index else 0
+        return [PrefillInstance(i.id, i.est, order=type(i.policy).router_order, cache_tokens=cache_tokens,
+                                block_size=self.block_size) for i in self.front]
+
     # -- event plumbing ------------------------------------------------------------
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
@@ -277,6 +355,9 @@ class Simulator:
         for r in reqs:
             self._push(r.arrival, _ARRIVAL, r)
         now = reqs[0].arrival
+        interval = self.cfg.publish_interval_s
+        if self.sync == "publish":
+            self._push(now + interval, _PUBLISH, None)
         while self._events:
             now, kind, _, payload = heapq.heappop(self._events)
             if kind == _ARRIVAL:
@@ -287,6 +368,10 @@ class Simulator:
                 inst, version = payload
                 if version == inst.version:
                     self._on_step_done(inst, now)
+            elif kind == _PUBLISH:
+                self._publish(now)
+                if self._events:      # more to simulate: publish again an interval on
+                    self._push(now + interval, _PUBLISH, None)
             else:
                 self._on_kv_arrived(*payload, now)
         end = max((r.token_times[-1] for r in reqs if r.token_times), default=now)
@@ -294,25 +379,65 @@ class Simulator:
         return SimResult(list(reqs), end - reqs[0].arrival, self.timeline, self.steps, betas, self.preemptions,
                          self.admission_counts, self.prefix_prompt_tokens, self.prefix_hit_tokens)
 
+    # -- several dispatchers (issue 15) -------------------------------------------------
+    def _dispatcher_for(self, r: Request) -> Dispatcher:
+        """The dispatcher the load balancer gives the arrival ``r`` (round-robin or seeded random)."""
+        n = len(self.dispatchers)
+        if n == 1:
+            return self.dispatchers[0]
+        if self._spread_rng is not None:
+            k = int(self._spread_rng.integers(n))
+        else:
+            k = self._arrivals % n
+        self._arrivals += 1
+        self._disp_of[r.id] = k
+        return self.dispatchers[k]
+
+    def _rhost(self, r: Request) -> RouterHost:
+        """The RouterHost that hears of ``r``'s events: that of the dispatcher it came through."""
+        if len(self.dispatchers) == 1:
+            return self.router_host
+        return self.dispatchers[self._disp_of.get(r.id, 0)].host
+
+    def _publish(self, now: float) -> None:
+        """Every instance publishes its queued prefill work to every dispatcher ("publish"):
+        each waiting request with its remaining prefill and KV length as the engine knows it,
+        which is as of the start of the step in progress when that step runs a prefill (the
+        simulator advances a prefill when its step ends), else as of now; co-located also its
+        decodes (n_d and their KV, each counted as its prompt as RouterHost counts it)."""
+        self.publications += 1
+        colocated = self.cfg.deployment == COLOCATED
+        hosts = list({id(d.host): d.host for d in self.dispatchers}.values())
+        for inst in self.front:
+            ts = inst.step_start if inst.busy and inst.plan is not None and inst.plan.prefill else now
+            queued = [(r, r.remaining_prefill, r.kv_len) for r in inst.waiting]
+            n_d = kv = None
+            if colocated:
+                n_d = len(inst.decoding)
+                kv = float(sum(r.prompt_len for r in inst.decoding))
+            for host in hosts:
+                host.published(inst.id, queued, ts, n_d, kv)
+
     # -- arrivals and routing ----------------------------------------------------------
     def _on_arrival(self, r: Request, now: float) -> None:
-        prefills = self.p_states
+        disp = self._dispatcher_for(r)
+        prefills = disp.p_states
         if self.concurrency is not None or self.admission is not None:
-            prefills = self._admit(r, now)
+            prefills = self._admit(r, now, disp.p_states)
             if prefills is None:
                 return
         for d, st in zip(self.decoders, self.d_states):
             st.free_blocks = d.free_blocks
-        for inst, st in zip(self.front, self.p_states):   # what vLLM's kv_cache_usage_perc reports
+        for inst, st in zip(self.front, disp.p_states):   # what vLLM's kv_cache_usage_perc reports
             st.kv_usage = 1.0 - inst.free_blocks / inst.total_blocks
-        p, d = self.router.route(r, prefills, self.d_states, now)
+        p, d = disp.router.route(r, prefills, self.d_states, now)
         inst = self.front[p.id]
         need = math.ceil((r.prompt_len + 1) / self.block_size)
         if need > inst.total_blocks:
             self._fail(r, f"prompt of {r.prompt_len} tokens exceeds the KV capacity of an instance", now)
             return
         r.instance = p.id
-        self.router_host.dispatched(r, p.id, now)
+        disp.host.dispatched(r, p.id, now)
         if d is not None:
             self._decode_target[r.id] = d.id
         if self.cfg.dispatch_delay:
@@ -320,9 +445,13 @@ class Simulator:
         else:
             self._enqueue(inst, r, now)
 
-    def _admit(self, r: Request, now: float) -> list[PrefillInstance] | None:
+    def _admit(self, r: Request, now: float,
+               p_states: list[PrefillInstance] | None = None) -> list[PrefillInstance] | None:
         """The dispatcher's checks before routing, in its order: a concurrency slot, then
-        the admission rule. The instances ``r`` may be routed to, or None if refused."""
+        the admission rule (on ``p_states``, the view of the dispatcher ``r`` came through;
+        default dispatcher 0's). The instances ``r`` may be routed to, or None if refused."""
+        if p_states is None:
+            p_states = self.p_states
         asked = r.priority
         if self.concurrency is not None:
             why = self.concurrency.acquire(asked)
@@ -332,8 +461,8 @@ class Simulator:
                 return None
             self._slot[r.id] = asked
         if self.admission is None:
-            return self.p_states
-        dec = self.admission.decide(r, self.p_states, now)
+            return p_states
+        dec = self.admission.decide(r, p_states, now)
         self._count(asked, dec.decision, dec.reason)
         if dec.refused:
             self._refuse(r, dec.reason, now)
@@ -391,8 +520,14 @@ class Simulator:
                 self.concurrency.release(cls)
         if self._refused and r.id in self._refused:
             self._refused.discard(r.id)       # never routed: no router heard of it (nor does the dispatcher's)
-        else:
+            if self._disp_of:
+                self._disp_of.pop(r.id, None)
+        elif len(self.dispatchers) == 1:
             self.router_host.finished(r, now)   # also out of PrefillQueueMap / n_d, wherever it still counts
+        else:   # the dispatcher it came through: out of its view, and its policy told
+            disp = self.dispatchers[self._disp_of.pop(r.id, 0)]
+            disp.host.released(r, now)
+            disp.router.on_request_finished(r, now)
         if self._asked:
             asked = self._asked.pop(r.id, None)
             if asked is not None:   # scored in the class it came in, as the load generator scores it
@@ -432,7 +567,7 @@ class Simulator:
                 if victim.kv_len % bs == 0:
                     need -= 1
                 victim.preempt()
-                self.router_host.requeued(victim, now)
+                self._rhost(victim).requeued(victim, now)
                 inst.waiting.insert(0, victim)
             else:
                 victim.preempt()   # a partial prefill: already queued, starts over
@@ -538,7 +673,7 @@ class Simulator:
             if victim.phase is Phase.DECODING:
                 inst.decoding.remove(victim)   # recompute-preempt a decode: back to prefill, first
                 victim.preempt()
-                self.router_host.requeued(victim, now)
+                self._rhost(victim).requeued(victim, now)
                 inst.waiting.insert(0, victim)
             else:
                 victim.preempt()               # a partial prefill: already queued, starts over
@@ -600,7 +735,7 @@ class Simulator:
         if inst.cache is not None and r.prefix_blocks:
             inst.cache.insert(r.prefix_blocks)   # its prompt's KV is computed here now
         # the asynchronous completion signal (§4.3); co-located, r now decodes here (n_d)
-        self.router_host.prefill_finished(r, now)
+        self._rhost(r).prefill_finished(r, now)
         if inst.mode == COLOCATED:
             if r.phase is Phase.DONE:
                 inst.free_blocks += inst.blocks_held(r)

@@ -163,6 +163,60 @@ class PrefillQueueMap:
         else:
             p.decode_kv = 0.0
 
+    def published(self, inst_id: int, queued: Sequence[tuple[Request, int, int]], ts: float,
+                  keep: Sequence[Request] = (), n_decode: int | None = None,
+                  decode_kv: float | None = None) -> None:
+        """Several dispatchers in front of the same instances (issue 15): replace the view of
+        ``inst_id`` by what the instance published, plus this dispatcher's own dispatches the
+        publication does not hold yet.
+
+        ``queued``: the instance's queued prefill work as its engine knows it at ``ts``, one
+        ``(request, l_q, l_kv)`` per request waiting for prefill (its remaining prefill and KV
+        length, net of the prefix it found cached), in the engine's queue order, whichever
+        dispatcher sent it; ``keep``: this dispatcher's own dispatches to ``inst_id`` that the
+        publication does not list (still on their way to the instance), which keep the work
+        recorded at their dispatch and go after the published ones. Co-located, ``n_decode``
+        and ``decode_kv`` (the KV tokens of its decodes, each counted as its prompt, as
+        :meth:`decode_started` counts it) replace ``n_d`` and its mean KV length.
+
+        ``ts`` becomes ``ts_p``: the published work is as of ``ts``, so timestamp lag
+        compensation counts the progress since then; ``version`` is bumped, so the snapshot
+        cache of ``routing.estimates`` is rebuilt. With a prefix index, the prefix blocks of
+        requests this view had not seen before (other dispatchers' dispatches) join it.
+        The queue list and the work dict are updated in place."""
+        p = self._by_id[inst_id]
+        old = p.dispatched
+        work: dict = {}
+        queue: list[Request] = []
+        index = p.cache_tokens > 0
+        for r, l_q, l_kv in queued:
+            if r.id in work:
+                continue
+            queue.append(r)
+            work[r.id] = (l_q, l_kv)
+            if index and r.prefix_blocks and r.id not in old:
+                if p.prefix is None:
+                    p.prefix = BlockLRU(p.cache_tokens // r.prefix_block_tokens)
+                p.prefix.insert(r.prefix_blocks)
+        for r in keep:
+            if r.id in work:
+                continue
+            queue.append(r)
+            w = old.get(r.id)
+            work[r.id] = w if w is not None else (r.remaining_prefill, r.kv_len)
+        p.queue[:] = queue
+        old.clear()
+        old.update(work)
+        if n_decode is not None:
+            p.n_decode = max(0, int(n_decode))
+            if p.n_decode:
+                p.decode_kv = float(decode_kv) if decode_kv is not None else p.avg_decode_kv * p.n_decode
+                p.avg_decode_kv = p.decode_kv / p.n_decode
+            else:
+                p.decode_kv = 0.0
+        p.version += 1
+        p.ts = ts
+
 
 class GlobalPolicy(ABC):
     """Base of the routing policies: pick a prefill instance, then a decode instance."""
