@@ -26,6 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_routers import _plot
+
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 ROUTERS = (  # label, sweep arguments
     ("GoRouting", ["--global", "go_routing"]),
@@ -93,31 +96,8 @@ def report(out: Path, setups) -> None:
                     print(f"  {me} minus {lab}: " + " ".join(f"{a - b:+.4f}" for a, b in zip(mean[me], ys)))
             if key != "hit":
                 panels.append((f"{name}", title, rates, mean))
-    _plot(out / "cache_routers.png", panels)
-
-
-def _plot(path: Path, panels) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    if not panels:
-        return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (title, metric, rates, mean) in zip(axes[0], panels):
-        for lab, ys in mean.items():
-            ax.plot(rates, ys, marker="o", label=lab)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    if panels:
+        _plot(out / "cache_routers.png", panels)
 
 
 def main() -> int:

@@ -26,9 +26,9 @@ GoRouting reads), counted in whole KV blocks. Defaults are the current router's
 
 from __future__ import annotations
 
+from .. import validate
 from ..registry import register_global
 from ..routing.base import DISAGGREGATED, GlobalPolicy, expected_hit
-from .. import validate
 
 
 def in_flight(p) -> int:
