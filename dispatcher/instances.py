@@ -384,6 +384,7 @@ class Registry:
             p.kv_usage = info.usage
         if info.num_blocks is None or info.block_size is None:
             return
+        p.kv_tokens = info.num_blocks * info.block_size   # its KV memory, index or not (GoRouting's kv_fit)
         cap = info.capacity_tokens if self.cfg.prefix_index else 0
         block_size = info.block_size
         if cap != p.cache_tokens or block_size != p.block_size:

@@ -88,7 +88,10 @@ async def resolve(host: str, port: int) -> list[str]:
     """The addresses (A and AAAA records) ``host`` resolves to, through the event loop's
     resolver (``getaddrinfo``: /etc/hosts, DNS, as the system is set up)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
+    # a dual-stack pod has an A and an AAAA record: one engine, so one address family (IPv4
+    # where the name has any, else IPv6), not a worker per address
+    v4 = {str(i[4][0]) for i in infos if i[0] == socket.AF_INET}
+    return sorted(v4 or {str(i[4][0]) for i in infos})
 
 
 def _host_part(addr: str) -> str:
@@ -193,6 +196,12 @@ class Membership:
 
     def remove(self, name: str, force: bool = False, source: str = "admin") -> Worker:
         w = self._find(name)
+        if source == "admin" and w.source.startswith("discover:"):
+            # the next resolution would add it back under a new id: its address decides
+            raise ApiError(409, f"worker {name!r} was discovered from {w.source.partition(':')[2]!r}: it leaves "
+                                f"when its address leaves that name's records; drain it "
+                                f"(POST /admin/workers/{name}/drain) to route nothing new there meanwhile",
+                           type="conflict", code="worker_discovered")
         if w.active and not force:
             raise ApiError(409, f"worker {name!r} has {w.active} request(s) in flight: drain it and wait until "
                                 f"GET /admin/workers shows 0 requests, or remove it with ?force=true (its "

@@ -131,10 +131,19 @@ class Metrics:
         return generate_latest(self.registry)
 
     def forget(self, w) -> None:
-        """Worker ``w`` left: its gauges leave the page (its counters stay)."""
+        """Worker ``w`` left: its series leave the page, gauges and per-instance counters alike
+        (under DNS discovery pods come and go: kept, they would grow the page without bound)."""
         for gauge, labels in ((self.queue, (w.name,)), (self.beta, (w.name,)), (self.free_blocks, (w.name,)),
                               (self.healthy, (w.role, w.name)), (self.draining, (w.role, w.name))):
             try:
                 gauge.remove(*labels)
             except KeyError:
                 pass
+        for counter in (self.routed, self.broken_connections, self.health_checks, self.scrape_failures):
+            names = counter._labelnames          # prometheus_client keeps no public label-set list
+            at = names.index("instance")
+            for labels in [k for k in list(counter._metrics) if k[at] == w.name]:
+                try:
+                    counter.remove(*labels)
+                except KeyError:
+                    pass

@@ -28,9 +28,13 @@ wait_gone() {  # pgid seconds
   while alive "$1" && ((SECONDS < end)); do sleep 0.2; done
   ! alive "$1"
 }
+# a recorded pid may be stale (a crashed worker, a reboot) and reused by another program:
+# only a process whose command line names proserve is ours to signal
+ours() { [[ $1 =~ ^[0-9]+$ ]] && (($1 > 1)) && tr '\0' ' ' < "/proc/$1/cmdline" 2>/dev/null | grep -q proserve; }
 stop() {  # pid what
   local g=$1 what=$2
   if ! alive "$g"; then echo "$what (pid $g): not running"; return 0; fi
+  if ! ours "$g"; then echo "$what (pid $g): that process is not a ProServe one (a stale $run/pids entry): left alone"; return 0; fi
   kill -TERM -- "-$g" 2>/dev/null || kill -TERM "$g" 2>/dev/null
   if wait_gone "$g" "$grace"; then echo "stopped $what (pid $g)"; return 0; fi
   kill -KILL -- "-$g" 2>/dev/null || kill -KILL "$g" 2>/dev/null

@@ -341,7 +341,8 @@ class Simulator:
         cfg = self.cfg
         cache_tokens = self.num_blocks * self.block_size if cfg.prefix_cache and cfg.prefix_index else 0
         return [PrefillInstance(i.id, i.est, order=type(i.policy).router_order, cache_tokens=cache_tokens,
-                                block_size=self.block_size) for i in self.front]
+                                block_size=self.block_size, kv_tokens=self.num_blocks * self.block_size)
+                for i in self.front]
 
     # -- event plumbing ------------------------------------------------------------
     def _push(self, t: float, kind: int, payload) -> None:

@@ -404,6 +404,12 @@ def test_discovery_follows_the_names_addresses(monkeypatch):
                     assert metric(await h.metrics(), "proserve:dispatcher_discovery_errors_total",
                                   host="decode.test", reason=reason) >= 1
                 assert (await h.post("/v1/completions", BODY)).status_code == 200
+                # the admin cannot delete a discovered worker: the next resolution would add it back
+                from proserve.dispatcher.errors import ApiError
+                with pytest.raises(ApiError) as e:
+                    h.d.membership.remove(name_a)
+                assert e.value.status == 409 and e.value.code == "worker_discovered"
+                assert h.d.registry.find(name_a) is not None
                 # b comes back
                 dns.answer = ["127.0.0.2", "127.0.0.3"]
                 await until(lambda: (w := h.d.registry.find(name_b)) is not None and w.healthy, 20, "b back")

@@ -385,3 +385,20 @@ def test_dispatcher_dry_run(tmp_path):
     assert f"python3 -m proserve.dispatcher --config {cfg} --port 18001" in p.stdout
     assert "http://127.0.0.1:18001" in p.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_stop_pool_leaves_a_stale_pid_of_another_program_alone(tmp_path):
+    """A pids file outliving its workers (a crash, a reboot): the recorded pid now belongs to
+    another program, which stop_pool.sh must not signal; a pid of 1 is never signalled."""
+    other = subprocess.Popen(["sleep", "300"])
+    try:
+        (tmp_path / "pids").write_text(f"{other.pid} prefill 0 8100\n1 decode 0 8200\n")
+        r = subprocess.run(["bash", str(SCRIPTS / "stop_pool.sh"), "-d", str(tmp_path), "-t", "1"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "not a ProServe one" in r.stdout
+        assert other.poll() is None                   # still running
+        assert not (tmp_path / "pids").exists()
+    finally:
+        other.kill()
+        other.wait()

@@ -223,3 +223,24 @@ def test_go_routing_fallbacks_pick_among_instances_that_can_hold_the_request():
         p.kv_usage = 0.999                        # none can hold it: every instance stays a choice
     picks = {make_global("go_routing", deployment=COLOCATED, seed=s).route(r, insts)[0].id for s in range(40)}
     assert picks == {0, 1, 2, 3}
+
+
+def test_kv_fit_reads_the_kv_memory_without_a_prefix_index():
+    """kv_fit needs the instance's KV memory, not its prefix index: with the index off
+    (cache_tokens 0) the KV capacity (kv_tokens) still keeps a request off a full instance."""
+    insts, qm = cluster(n=2, cache_tokens=0)
+    for p, u in zip(insts, (0.999, 0.0)):
+        p.kv_tokens, p.kv_usage = 100_000, u
+    r = req("r", 8000)
+    assert make_global("go_routing", deployment=COLOCATED).route(r, insts)[0].id == 1
+    insts[0].kv_usage = float("nan")             # a NaN report counts as unknown, not as full or empty
+    assert make_global("go_routing", deployment=COLOCATED).route(r, insts)[0].id == 0
+
+
+def test_dynamo_small_temperature_never_underflows():
+    """Near-equal logits at a tiny temperature: every weight exp(-l/T) used to underflow to 0
+    and random.choices raised; the softmax is shifted by its max."""
+    insts, qm = cluster()
+    r = req("r", 640)
+    for t in (1e-3, 1e-6):
+        assert make_global("dynamo_kv", temperature=t).route(r, insts)[0].id in (0, 1, 2)

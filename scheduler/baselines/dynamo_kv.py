@@ -56,7 +56,9 @@ class DynamoKV(GlobalPolicy):
         self.last_logits = logits
         if self.temperature > 0:
             top = max(logits.values()) or 1.0
-            ws = [math.exp(-(logits[p.id] / top) / self.temperature) for p in prefills]
+            z = [-(logits[p.id] / top) / self.temperature for p in prefills]
+            zmax = max(z)      # softmax shifted by its max: a small temperature underflows no weight to 0
+            ws = [math.exp(v - zmax) for v in z]
             return self.rng.choices(prefills, weights=ws)[0]
         low = min(logits.values())
         best = [p for p in prefills if logits[p.id] <= low + 1e-9]

@@ -31,10 +31,11 @@ def kv_usage(p) -> float:
     dispatched (queued prompts, running decodes) over its KV capacity; 0 without one."""
     if p.kv_usage is not None:
         return p.kv_usage
-    if not p.cache_tokens:
+    capacity = p.kv_tokens or p.cache_tokens
+    if not capacity:
         return 0.0
     queued = sum(lq + lkv for lq, lkv in p.dispatched.values())
-    return min(1.0, (queued + p.n_decode * p.avg_decode_kv) / p.cache_tokens)
+    return min(1.0, (queued + p.n_decode * p.avg_decode_kv) / capacity)
 
 
 @register_global

@@ -66,6 +66,9 @@ class PrefillInstance:
     #: fraction of its KV blocks in use as last reported (vLLM's ``vllm:kv_cache_usage_perc``);
     #: None: not reported. Read by the cache-aware baselines that score KV utilisation.
     kv_usage: float | None = None
+    #: its KV memory in tokens (num_gpu_blocks × block_size), with or without a prefix index;
+    #: 0: unknown (then ``cache_tokens`` stands in). Read by :func:`kv_room`.
+    kv_tokens: int = 0
     # (l_q, l_kv) of each queued request's prefill as known at dispatch, keyed by request id:
     # the global scheduler sees dispatches and completions, not chunk progress (§4.3), so
     # its work estimate is frozen here and timestamp lag compensation accounts for progress.
@@ -92,12 +95,14 @@ def expected_hit(p: PrefillInstance, req: Request) -> int:
 
 def kv_room(p: PrefillInstance) -> float:
     """KV tokens ``p`` has left for new prefills, as the router sees it: its free KV memory
-    (``kv_usage`` as last reported, of ``cache_tokens``) less the prefill tokens still queued
-    there (recorded at dispatch, net of their expected hits); ∞ where either is unknown.
-    Approximate: a queued request partly prefilled counts twice (in the usage and the queue)."""
-    if p.kv_usage is None or not p.cache_tokens:
+    (``kv_usage`` as last reported, of ``kv_tokens``, else ``cache_tokens``) less the prefill
+    tokens still queued there (recorded at dispatch, net of their expected hits); ∞ where
+    either is unknown. Approximate: a queued request partly prefilled counts twice (in the
+    usage and the queue)."""
+    capacity = p.kv_tokens or p.cache_tokens
+    if p.kv_usage is None or not capacity or p.kv_usage != p.kv_usage:   # unknown, or NaN
         return math.inf
-    return p.cache_tokens * (1.0 - p.kv_usage) - sum(lq for lq, _ in p.dispatched.values())
+    return capacity * (1.0 - p.kv_usage) - sum(lq for lq, _ in p.dispatched.values())
 
 
 class PrefillQueueMap:
