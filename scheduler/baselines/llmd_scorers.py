@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .. import validate
 from ..registry import register_global
-from ..routing.base import DISAGGREGATED, GlobalPolicy, expected_hit
+from ..routing.base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_capacity
 
 
 def kv_usage(p) -> float:
@@ -31,7 +31,7 @@ def kv_usage(p) -> float:
     dispatched (queued prompts, running decodes) over its KV capacity; 0 without one."""
     if p.kv_usage is not None:
         return p.kv_usage
-    capacity = p.kv_tokens or p.cache_tokens
+    capacity = kv_capacity(p)
     if not capacity:
         return 0.0
     queued = sum(lq + lkv for lq, lkv in p.dispatched.values())

@@ -93,13 +93,28 @@ def expected_hit(p: PrefillInstance, req: Request) -> int:
     return cached_tokens(req, p.prefix.peek(req.prefix_blocks), p.block_size)
 
 
+def _index(p: PrefillInstance, req: Request) -> None:
+    """``req``'s prefix blocks join ``p``'s index (made on first use, as many blocks of
+    ``req``'s size as ``cache_tokens`` hold); nothing without an index or blocks."""
+    if p.cache_tokens and req.prefix_blocks:
+        if p.prefix is None:
+            p.prefix = BlockLRU(p.cache_tokens // req.prefix_block_tokens)
+        p.prefix.insert(req.prefix_blocks)
+
+
+def kv_capacity(p: PrefillInstance) -> int:
+    """``p``'s KV memory in tokens as the router knows it: ``kv_tokens``, else the prefix
+    index's ``cache_tokens``; 0 when neither is known."""
+    return p.kv_tokens or p.cache_tokens
+
+
 def kv_room(p: PrefillInstance) -> float:
     """KV tokens ``p`` has left for new prefills, as the router sees it: its free KV memory
     (``kv_usage`` as last reported, of ``kv_tokens``, else ``cache_tokens``) less the prefill
     tokens still queued there (recorded at dispatch, net of their expected hits); ∞ where
     either is unknown. Approximate: a queued request partly prefilled counts twice (in the
     usage and the queue)."""
-    capacity = p.kv_tokens or p.cache_tokens
+    capacity = kv_capacity(p)
     if p.kv_usage is None or not capacity or p.kv_usage != p.kv_usage:   # unknown, or NaN
         return math.inf
     return capacity * (1.0 - p.kv_usage) - sum(lq for lq, _ in p.dispatched.values())
@@ -123,10 +138,7 @@ class PrefillQueueMap:
         p.queue.append(req)
         hit = expected_hit(p, req)
         p.dispatched[req.id] = (req.remaining_prefill - hit, req.kv_len + hit)
-        if p.cache_tokens and req.prefix_blocks:
-            if p.prefix is None:
-                p.prefix = BlockLRU(p.cache_tokens // req.prefix_block_tokens)
-            p.prefix.insert(req.prefix_blocks)
+        _index(p, req)
         p.version += 1
         p.ts = now
 
@@ -193,16 +205,13 @@ class PrefillQueueMap:
         old = p.dispatched
         work: dict = {}
         queue: list[Request] = []
-        index = p.cache_tokens > 0
         for r, l_q, l_kv in queued:
             if r.id in work:
                 continue
             queue.append(r)
             work[r.id] = (l_q, l_kv)
-            if index and r.prefix_blocks and r.id not in old:
-                if p.prefix is None:
-                    p.prefix = BlockLRU(p.cache_tokens // r.prefix_block_tokens)
-                p.prefix.insert(r.prefix_blocks)
+            if r.id not in old:
+                _index(p, r)
         for r in keep:
             if r.id in work:
                 continue

@@ -101,6 +101,7 @@ its remaining time; they differ only if the dispatcher holds req before routing)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .. import validate
@@ -165,7 +166,8 @@ class GoRouting(GlobalPolicy):
         light = [w - e.saved for w, e in zip(wait, ests)]
         # kv_fit: can p's free KV hold req's prompt (net of its cached prefix) now?
         rooms = [kv_room(p) for p in prefills] if self.kv_fit or self.fallback == "most_room" else None
-        fits = [r >= req.remaining_prefill - expected_hit(p, req) for r, p in zip(rooms, prefills)] \
+        # (an unknown room, ∞, fits without looking the prefix up again)
+        fits = [r == math.inf or r >= req.remaining_prefill - expected_hit(p, req) for r, p in zip(rooms, prefills)] \
             if self.kv_fit else None
         delta_max = max(e.delta for e in ests)
         # line 8; the relative slack absorbs float noise in sums of equal weights
