@@ -142,16 +142,7 @@ FIGURES = [("TTFT_p50", "all", "ttft_p50"), ("TTFT_p99", "all", "ttft_p99"),
 
 def parse_routers(text: str) -> list[str]:
     """``--routers`` → the routers in the order given (known, no repeats, not empty)."""
-    items = [c.strip() for c in text.split(",") if c.strip()]
-    if not items:
-        raise ConfigError(f"--routers: no router given (choose from {', '.join(ROUTERS)})")
-    bad = [c for c in items if c not in ROUTERS]
-    if bad:
-        raise ConfigError(f"--routers: unknown {', '.join(repr(b) for b in bad)} (choose from {', '.join(ROUTERS)})")
-    dup = sorted({c for c in items if items.count(c) > 1})
-    if dup:
-        raise ConfigError(f"--routers: {', '.join(dup)} given twice (use --runs to run a router again)")
-    return items
+    return bpp.parse_names(text, ROUTERS, "--routers", "router", "use --runs to run a router again")
 
 
 def _dist(text: str, flag: str) -> LengthDist:

@@ -116,18 +116,24 @@ ONE_P_ONE_D_NOTE = ("proserve-1p1d uses TWO engine cores (one per worker: prefil
 
 # --- arguments ---------------------------------------------------------------------------
 
-def parse_configs(text: str) -> list[str]:
-    """``--configs`` → the configurations in the order given (known, no repeats, not empty)."""
+def parse_names(text: str, known, flag: str, noun: str, again: str) -> list[str]:
+    """A comma-separated ``flag`` (``--configs``, ``--routers``) → the names in the order
+    given: each one of ``known``, none twice (``again`` says how to repeat one), not empty."""
     items = [c.strip() for c in text.split(",") if c.strip()]
     if not items:
-        raise ConfigError(f"--configs: no configuration given (choose from {', '.join(CONFIGS)})")
-    bad = [c for c in items if c not in CONFIGS]
+        raise ConfigError(f"{flag}: no {noun} given (choose from {', '.join(known)})")
+    bad = [c for c in items if c not in known]
     if bad:
-        raise ConfigError(f"--configs: unknown {', '.join(repr(b) for b in bad)} (choose from {', '.join(CONFIGS)})")
+        raise ConfigError(f"{flag}: unknown {', '.join(repr(b) for b in bad)} (choose from {', '.join(known)})")
     dup = sorted({c for c in items if items.count(c) > 1})
     if dup:
-        raise ConfigError(f"--configs: {', '.join(dup)} given twice (use --repeats to run a configuration again)")
+        raise ConfigError(f"{flag}: {', '.join(dup)} given twice ({again})")
     return items
+
+
+def parse_configs(text: str) -> list[str]:
+    """``--configs`` → the configurations in the order given (known, no repeats, not empty)."""
+    return parse_names(text, CONFIGS, "--configs", "configuration", "use --repeats to run a configuration again")
 
 
 def parse_loads(text: str, capacity: float) -> list[tuple[float, float]]:
