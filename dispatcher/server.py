@@ -80,7 +80,7 @@ from starlette.requests import ClientDisconnect
 from proserve.scheduler.admission import Admission, AdmissionDecision, serve_in
 from proserve.scheduler.host import RouterHost
 from proserve.scheduler.registry import make_global
-from proserve.scheduler.routing.base import COLOCATED
+from proserve.scheduler.routing.base import COLOCATED, decode_blocks
 from proserve.scheduler.tdg import slo_attained
 
 from . import fanout
@@ -384,17 +384,13 @@ class Dispatcher:
         d = None
         if d_state is not None:
             d = next(w for w in ds if w.state is d_state)
-            self._reserve_blocks(job, d)
-        # last: from here on the caller's finally takes the request out of the queue map
-        self.router_host.dispatched(job.sreq, p_state.id, now)
+            self.metrics.routed.labels("decode", d.name).inc()
+        # last: from here on the caller's finally takes the request out of the queue map (and
+        # releases the decode blocks promised to it until its prefill ends: RouterHost)
+        self.router_host.dispatched(job.sreq, p_state.id, now, d_state,
+                                    decode_blocks(job.prompt_len, job.max_tokens, d.block_size) if d else 0)
         self.metrics.routed.labels("prefill", p.name).inc()
         return p, d
-
-    def _reserve_blocks(self, job: Job, d: DecodeWorker) -> None:
-        """The blocks this request will hold on ``d``, until the next scrape says otherwise."""
-        need = -(-(job.prompt_len + (job.max_tokens or 16)) // max(1, d.block_size))   # ceil, exact for any int
-        d.state.free_blocks = max(0, d.state.free_blocks - need)
-        self.metrics.routed.labels("decode", d.name).inc()
 
     def _prefill_done(self, job: Job) -> None:
         # PrefillQueueMap[p].remove(r); co-located, the request now decodes on p (n_d).
@@ -557,8 +553,9 @@ class Dispatcher:
             reason = "dest_failed"
             others = self.registry.live_decode(bad | {d.name})
             if others:
-                target = max(others, key=lambda w: w.state.free_blocks)
-                self._reserve_blocks(job, target)
+                # its prefill is over: nothing is promised; the next scrape shows the blocks
+                target = max(others, key=lambda w: w.state.room)
+                self.metrics.routed.labels("decode", target.name).inc()
         self.metrics.kv_fallbacks.labels(d.name, reason).inc()
         logger.warning("request %s: the KV push to decode worker %s failed (%s: %s); decode leg without KV "
                        "on %s, which computes the prompt itself", job.id, d.name, reason, failure["error"],

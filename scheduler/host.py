@@ -238,6 +238,12 @@ class RouterHost:
         self.qmap = PrefillQueueMap(prefills)
         self.colocated = policy.deployment == COLOCATED
         self._at: dict[str, list] = {}   # request id -> [instance id, decoding there]
+        self._decode: dict[str, DecodeInstance] = {}   # request id -> where blocks are promised to it
+
+    def _unreserve(self, req: Request) -> None:
+        d = self._decode.pop(req.id, None)
+        if d is not None:
+            d.release(req.id)
 
     def route(self, req: Request, prefills: Sequence[PrefillInstance], decodes: Sequence[DecodeInstance] = (),
               now: float = 0.0):
@@ -245,15 +251,22 @@ class RouterHost:
         is dispatched until :meth:`dispatched`."""
         return self.policy.route(req, prefills, decodes, now)
 
-    def dispatched(self, req: Request, inst_id: int, now: float) -> None:
-        """``req`` was sent to instance ``inst_id``: it joins ``PrefillQueueMap[p]``."""
+    def dispatched(self, req: Request, inst_id: int, now: float,
+                   decode: DecodeInstance | None = None, blocks: int = 0) -> None:
+        """``req`` was sent to instance ``inst_id``: it joins ``PrefillQueueMap[p]``.
+        Disaggregated, ``decode`` is the decode instance picked for it: ``blocks`` of it are
+        promised to ``req`` until its prefill finishes (:attr:`DecodeInstance.reserved`)."""
         if req.id in self._at:
             self.released(req, now)
         self._at[req.id] = [inst_id, False]
         self.qmap.add(inst_id, req, now)
+        if decode is not None:
+            decode.reserve(req.id, blocks)
+            self._decode[req.id] = decode
 
     def prefill_finished(self, req: Request, now: float) -> None:
         """``req``'s prefill finished (its first token, or its KV handed off)."""
+        self._unreserve(req)              # its KV is on its way: the decode side will report it
         at = self._at.get(req.id)
         if at is None or at[1]:
             return
@@ -277,6 +290,7 @@ class RouterHost:
 
     def released(self, req: Request, now: float) -> None:
         """``req`` no longer occupies the instance it was dispatched to."""
+        self._unreserve(req)
         at = self._at.pop(req.id, None)
         if at is None:
             return

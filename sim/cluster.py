@@ -83,7 +83,7 @@ from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, bl
 from proserve.scheduler.prefix import BlockLRU, cached_tokens
 from proserve.scheduler.registry import make_global, make_local
 from proserve.scheduler.request import ConfigError, Phase, PriorityClass, Request
-from proserve.scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance
+from proserve.scheduler.routing.base import DISAGGREGATED, DecodeInstance, PrefillInstance, decode_blocks
 from proserve.scheduler.tdg import GainConfig
 
 DEPLOYMENTS = (COLOCATED, DISAGGREGATED)
@@ -210,6 +210,7 @@ class Dispatcher:
     router: object                 # a GlobalPolicy
     p_states: list[PrefillInstance]
     host: RouterHost
+    d_states: list[DecodeInstance]   # disaggregated: its view of the decode instances
 
 
 class _Instance:
@@ -299,16 +300,18 @@ class Simulator:
         # several dispatchers (issue 15): dispatcher 0 is the one above; each other has its own
         # policy object (its own seed) and, unless "shared", its own view and RouterHost
         self.sync = config.sync_mode
-        self.dispatchers = [Dispatcher(0, self.router, self.p_states, self.router_host)]
+        self.dispatchers = [Dispatcher(0, self.router, self.p_states, self.router_host, self.d_states)]
         for k in range(1, config.dispatchers):
             seed_k = int(np.random.SeedSequence([config.seed, k]).generate_state(1)[0])
             router = make_global(config.global_policy, gain=self.gain, classes=self.classes,
                                  deployment=dep, seed=seed_k, **config.global_params)
             if self.sync == "shared":
-                self.dispatchers.append(Dispatcher(k, router, self.p_states, self.router_host))
+                self.dispatchers.append(Dispatcher(k, router, self.p_states, self.router_host, self.d_states))
             else:
+                # its own decode view too: it knows the blocks promised by its own dispatches only
                 views = self._views()
-                self.dispatchers.append(Dispatcher(k, router, views, RouterHost(router, views)))
+                d_views = [DecodeInstance(d.id, d.free_blocks) for d in self.decoders]
+                self.dispatchers.append(Dispatcher(k, router, views, RouterHost(router, views), d_views))
         self._disp_of: dict[str, int] = {}   # request id -> the dispatcher it arrived at (N > 1)
         self._arrivals = 0
         self._spread_rng = np.random.default_rng([config.seed, 15]) \
@@ -427,18 +430,20 @@ class Simulator:
             prefills = self._admit(r, now, disp.p_states)
             if prefills is None:
                 return
-        for d, st in zip(self.decoders, self.d_states):
+        for d, st in zip(self.decoders, disp.d_states):
             st.free_blocks = d.free_blocks
         for inst, st in zip(self.front, disp.p_states):   # what vLLM's kv_cache_usage_perc reports
             st.kv_usage = 1.0 - inst.free_blocks / inst.total_blocks
-        p, d = disp.router.route(r, prefills, self.d_states, now)
+        p, d = disp.router.route(r, prefills, disp.d_states, now)
         inst = self.front[p.id]
         need = math.ceil((r.prompt_len + 1) / self.block_size)
         if need > inst.total_blocks:
             self._fail(r, f"prompt of {r.prompt_len} tokens exceeds the KV capacity of an instance", now)
             return
         r.instance = p.id
-        disp.host.dispatched(r, p.id, now)
+        # disaggregated: the blocks r will hold on d are promised until its prefill ends
+        disp.host.dispatched(r, p.id, now, d, decode_blocks(r.prompt_len, r.output_len, self.block_size)
+                             if d is not None else 0)
         if d is not None:
             self._decode_target[r.id] = d.id
         if self.cfg.dispatch_delay:

@@ -15,7 +15,7 @@ from proserve.profiler.modelfile import BUNDLED, load
 from proserve.scheduler import Estimator, OnlineCorrector, Request, make_global, make_local
 from proserve.scheduler.host import LocalHost, RouterHost, ViewOrder
 from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView
-from proserve.scheduler.routing.base import PrefillInstance
+from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance, decode_blocks
 
 MODEL = load(BUNDLED)
 
@@ -70,6 +70,30 @@ def test_disaggregated_hand_off_leaves_the_prefill_instance():
     host.released(a, 3.0)
     host.finished(a, 4.0)                         # ends on the decode side: the router is told
     assert ps[1].n_decode == 0 and ps[1].ts == 2.0 and rec.told == ["r0"]
+
+
+def test_decode_blocks_are_promised_until_the_prefill_ends():
+    """Disaggregated: the decode instance picked at dispatch has the request's blocks
+    promised (its KV is not there yet, so the reported free blocks miss them) until its
+    prefill ends, or the attempt ends first; a repeated or stray event changes nothing."""
+    host, ps, _ = router("disaggregated")
+    d0, d1 = DecodeInstance(0, 100), DecodeInstance(1, 90)
+    a, b, c = req(0), req(1), req(2)
+    host.dispatched(a, 0, 1.0, d0, decode_blocks(a.prompt_len, a.output_len, 16))   # 108 tokens: 7 blocks
+    assert d0.room == 93 and d0.free_blocks == 100
+    assert host.route(b, ps, [d0, d1], 1.0)[1] is d0                   # 93 against 90
+    host.dispatched(b, 1, 1.1, d0, 20)
+    assert d0.room == 73 and host.route(c, ps, [d0, d1], 1.2)[1] is d1   # 73 against 90, though 100 reported
+    host.prefill_finished(a, 2.0)                 # a's KV goes to d0: d0 itself reports it now
+    assert d0.room == 80 and d0.reserved == {"r1": 20}
+    host.prefill_finished(a, 2.5)
+    host.released(b, 3.0)                         # b failed in prefill: nothing promised any more
+    assert d0.room == 100 and d0.reserved_blocks == 0 and d1.reserved == {}
+    host.dispatched(c, 0, 4.0, d1, 5)
+    host.dispatched(c, 1, 4.5, d0, 6)             # retried elsewhere without a release: moved
+    assert (d0.room, d1.room) == (94, 90)
+    host.finished(c, 5.0)
+    assert (d0.room, d1.room) == (100, 90)
 
 
 def test_a_retry_elsewhere_releases_the_first_instance():

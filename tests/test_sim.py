@@ -84,6 +84,25 @@ def test_disaggregated_runs_transfer_time_and_decode_memory():
     assert tpot(slow.requests) > tpot(out.requests)
 
 
+@pytest.mark.parametrize("dispatchers, sync", [(1, None), (2, "publish"), (2, "shared")])
+def test_a_burst_spreads_over_the_decode_instances(dispatchers, sync):
+    """Requests routed before the first one's KV reaches its decode instance see that
+    instance's blocks promised (RouterHost reserves them), so a burst does not all go to the
+    one with the most free blocks. Each dispatcher knows its own promises (its own decode
+    view), except "shared"."""
+    reqs = [Request(f"r{i}", "high", 2.0, 5.0, 0.1, 0.001 * i, 512, 16) for i in range(16)]
+    cfg = SimConfig(deployment="disaggregated", prefill_instances=1, decode_instances=4,
+                    global_policy="round_robin", dispatchers=dispatchers, dispatcher_sync=sync)
+    from proserve.sim.cluster import Simulator
+    sim = Simulator(MODEL, cfg, gain_for(reqs))
+    out = sim.run(reqs)
+    assert all(r.finished for r in out.requests)
+    per = [list(sim._decode_target.values()).count(j) for j in range(4)]
+    # one dispatcher (or one shared view): 4 each; two own views: at most 2 x 4 on one
+    assert max(per) <= (4 if dispatchers == 1 or sync == "shared" else 8), per
+    assert min(per) >= (4 if dispatchers == 1 or sync == "shared" else 1), per
+
+
 def test_memory_pressure_preempts_and_still_finishes():
     reqs = workload(150, 6.0)
     out = simulate(reqs, MODEL, SimConfig(global_policy="round_robin", num_kv_blocks=600), gain_for(reqs))

@@ -17,7 +17,8 @@ For each prefill (or co-located) instance ``p``:
    wait and completion instead of the backlog;
 4. otherwise a uniformly random instance (line 19, seeded).
 
-The decode instance is the one with the most free KV blocks (line 20, base class).
+The decode instance is the one with the most free KV blocks, less those promised to requests
+routed there whose prefill has not ended (line 20, base class: ``DecodeInstance.room``).
 ``last_decision`` (:class:`GoDecision`) keeps the Δ_p, loads, C, L, H and the
 branch of the latest call, for logs and tests. ``C`` is recorded as line 8
 computes it; it is only used when Δ_max > 0 (for Δ_max < 0, α·Δ_max lies
