@@ -554,7 +554,7 @@ class Dispatcher:
             others = self.registry.live_decode(bad | {d.name})
             if others:
                 # its prefill is over: nothing is promised; the next scrape shows the blocks
-                target = max(others, key=lambda w: w.state.room)
+                target = max(others, key=lambda w: w.state.room(time.time()))
                 self.metrics.routed.labels("decode", target.name).inc()
         self.metrics.kv_fallbacks.labels(d.name, reason).inc()
         logger.warning("request %s: the KV push to decode worker %s failed (%s: %s); decode leg without KV "

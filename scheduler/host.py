@@ -42,7 +42,7 @@ from .local.base import (
     admission_reserve,
 )
 from .request import Request
-from .routing.base import DecodeInstance, GlobalPolicy, PrefillInstance, PrefillQueueMap
+from .routing.base import PROMISE_S, DecodeInstance, GlobalPolicy, PrefillInstance, PrefillQueueMap
 
 # -- one engine instance ---------------------------------------------------------------------------
 
@@ -233,8 +233,9 @@ class RouterHost:
     release): the host remembers where each request is and ignores what no longer applies.
     """
 
-    def __init__(self, policy: GlobalPolicy, prefills: Sequence[PrefillInstance]):
+    def __init__(self, policy: GlobalPolicy, prefills: Sequence[PrefillInstance], promise_s: float = PROMISE_S):
         self.policy = policy
+        self.promise_s = promise_s        # how long a decode instance's blocks stay promised at most
         self.qmap = PrefillQueueMap(prefills)
         self.colocated = policy.deployment == COLOCATED
         self._at: dict[str, list] = {}   # request id -> [instance id, decoding there]
@@ -255,13 +256,14 @@ class RouterHost:
                    decode: DecodeInstance | None = None, blocks: int = 0) -> None:
         """``req`` was sent to instance ``inst_id``: it joins ``PrefillQueueMap[p]``.
         Disaggregated, ``decode`` is the decode instance picked for it: ``blocks`` of it are
-        promised to ``req`` until its prefill finishes (:attr:`DecodeInstance.reserved`)."""
+        promised to ``req`` until its prefill finishes, for at most ``promise_s``
+        (:attr:`DecodeInstance.reserved`)."""
         if req.id in self._at:
             self.released(req, now)
         self._at[req.id] = [inst_id, False]
         self.qmap.add(inst_id, req, now)
         if decode is not None:
-            decode.reserve(req.id, blocks)
+            decode.reserve(req.id, blocks, now + self.promise_s)
             self._decode[req.id] = decode
 
     def prefill_finished(self, req: Request, now: float) -> None:

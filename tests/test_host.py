@@ -15,7 +15,7 @@ from proserve.profiler.modelfile import BUNDLED, load
 from proserve.scheduler import Estimator, OnlineCorrector, Request, make_global, make_local
 from proserve.scheduler.host import LocalHost, RouterHost, ViewOrder
 from proserve.scheduler.local.base import COLOCATED, PREFILL_ONLY, BatchPlan, InstanceView
-from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance, decode_blocks
+from proserve.scheduler.routing.base import PROMISE_S, DecodeInstance, PrefillInstance, decode_blocks
 
 MODEL = load(BUNDLED)
 
@@ -75,25 +75,30 @@ def test_disaggregated_hand_off_leaves_the_prefill_instance():
 def test_decode_blocks_are_promised_until_the_prefill_ends():
     """Disaggregated: the decode instance picked at dispatch has the request's blocks
     promised (its KV is not there yet, so the reported free blocks miss them) until its
-    prefill ends, or the attempt ends first; a repeated or stray event changes nothing."""
+    prefill ends, the attempt ends first, or ``promise_s`` passes; a repeated or stray
+    event changes nothing."""
     host, ps, _ = router("disaggregated")
+    assert host.promise_s == PROMISE_S
     d0, d1 = DecodeInstance(0, 100), DecodeInstance(1, 90)
     a, b, c = req(0), req(1), req(2)
     host.dispatched(a, 0, 1.0, d0, decode_blocks(a.prompt_len, a.output_len, 16))   # 108 tokens: 7 blocks
-    assert d0.room == 93 and d0.free_blocks == 100
+    assert d0.room(1.0) == 93 and d0.free_blocks == 100
     assert host.route(b, ps, [d0, d1], 1.0)[1] is d0                   # 93 against 90
-    host.dispatched(b, 1, 1.1, d0, 20)
-    assert d0.room == 73 and host.route(c, ps, [d0, d1], 1.2)[1] is d1   # 73 against 90, though 100 reported
-    host.prefill_finished(a, 2.0)                 # a's KV goes to d0: d0 itself reports it now
-    assert d0.room == 80 and d0.reserved == {"r1": 20}
-    host.prefill_finished(a, 2.5)
-    host.released(b, 3.0)                         # b failed in prefill: nothing promised any more
-    assert d0.room == 100 and d0.reserved_blocks == 0 and d1.reserved == {}
+    host.dispatched(b, 1, 1.0, d0, 20)
+    assert d0.room(1.0) == 73 and host.route(c, ps, [d0, d1], 1.0)[1] is d1   # 73 against 90, though 100 reported
+    host.prefill_finished(a, 1.1)                 # a's KV goes to d0: d0 itself reports it now
+    assert d0.room(1.1) == 80 and set(d0.reserved) == {"r1"}
+    host.prefill_finished(a, 1.15)
+    host.released(b, 1.2)                         # b failed in prefill: nothing promised any more
+    assert d0.room(1.2) == 100 and d0.reserved == {} and d1.reserved == {}
     host.dispatched(c, 0, 4.0, d1, 5)
-    host.dispatched(c, 1, 4.5, d0, 6)             # retried elsewhere without a release: moved
-    assert (d0.room, d1.room) == (94, 90)
+    host.dispatched(c, 1, 4.0, d0, 6)             # retried elsewhere without a release: moved
+    assert (d0.room(4.0), d1.room(4.0)) == (94, 90)
+    # a promise lapses after promise_s even while the prefill goes on (queued for long, its
+    # landing time is unknown)
+    assert d0.room(4.0 + PROMISE_S) == 100 and d0.reserved == {}
     host.finished(c, 5.0)
-    assert (d0.room, d1.room) == (100, 90)
+    assert (d0.room(5.0), d1.room(5.0)) == (100, 90)
 
 
 def test_a_retry_elsewhere_releases_the_first_instance():

@@ -77,29 +77,41 @@ class PrefillInstance:
     cache: object = field(default=None, init=False, repr=False, compare=False)  # routing.estimates
 
 
+#: seconds a decode instance's blocks stay promised to a request after its dispatch (unless its
+#: prefill ends sooner): long enough to spread a burst routed before any of its KV lands, short
+#: enough that requests queued for seconds in prefill, whose landing time nobody knows, do not
+#: steer the choice (measured in the simulator, docs/results.md §7.1: no expiry lost 0.016
+#: TDG_Ratio at 4P+8D, 50 req/s; 0.3 s and 1 s are level with each other)
+PROMISE_S = 0.3
+
+
 @dataclass
 class DecodeInstance:
     id: int
     free_blocks: int = 0            # as last reported (the simulator: exact; the dispatcher: scraped)
     healthy: bool = True
-    #: KV blocks promised to requests routed here whose prefill has not finished, by request
-    #: id: their KV is not here yet, so the reported ``free_blocks`` does not count them
-    #: (:meth:`RouterHost.dispatched` reserves, ``prefill_finished``/``released`` release)
+    #: KV blocks promised to requests routed here whose prefill has not ended, by request id:
+    #: ``(blocks, until)``. Their KV is not here yet, so the reported ``free_blocks`` does not
+    #: count them (:meth:`RouterHost.dispatched` promises, ``prefill_finished``/``released``
+    #: end a promise; it also lapses at ``until``)
     reserved: dict = field(default_factory=dict, repr=False, compare=False)
-    reserved_blocks: int = field(default=0, repr=False, compare=False)   # their sum
 
-    @property
-    def room(self) -> int:
-        """Free blocks net of those promised: the load LOADBALANCE(D) compares (Alg. 2 line 20)."""
-        return self.free_blocks - self.reserved_blocks
+    def room(self, now: float) -> int:
+        """Free blocks net of those promised at ``now``: the load LOADBALANCE(D) compares
+        (Alg. 2 line 20). Lapsed promises are dropped here."""
+        promised = 0
+        for rid, (blocks, until) in list(self.reserved.items()):
+            if until > now:
+                promised += blocks
+            else:
+                del self.reserved[rid]
+        return self.free_blocks - promised
 
-    def reserve(self, rid: str, blocks: int) -> None:
-        self.release(rid)
-        self.reserved[rid] = blocks
-        self.reserved_blocks += blocks
+    def reserve(self, rid: str, blocks: int, until: float) -> None:
+        self.reserved[rid] = (blocks, until)
 
     def release(self, rid: str) -> None:
-        self.reserved_blocks -= self.reserved.pop(rid, 0)
+        self.reserved.pop(rid, None)
 
 
 def decode_blocks(prompt_len: int, max_tokens: int | None, block_size: int) -> int:
@@ -278,14 +290,14 @@ class GlobalPolicy(ABC):
         """Called once ``req`` has emitted its last token or failed; routers that learn
         from completed requests override this."""
 
-    def select_decode(self, req: Request, decodes: Sequence[DecodeInstance]) -> DecodeInstance:
+    def select_decode(self, req: Request, decodes: Sequence[DecodeInstance], now: float = 0.0) -> DecodeInstance:
         """LOADBALANCE(D) of Alg. 2 line 20: the decode instance with the most free blocks,
-        net of those promised to requests already routed there and still in prefill
-        (:attr:`DecodeInstance.room`). Without that, every request arriving before the
-        first one's KV lands sees the same free blocks and goes to the same instance:
-        measured in the simulator, 16P+16D at 140 req/s, runs of 11 consecutive requests
-        (up to 57) on one decode instance and 0.9 % less TDG_Ratio (docs/results.md §7.1)."""
-        return max(decodes, key=lambda d: d.room)
+        net of those promised to requests routed there in the last :data:`PROMISE_S` and
+        still in prefill (:meth:`DecodeInstance.room`). Without that, every request arriving
+        before the first one's KV lands sees the same free blocks and goes to the same
+        instance (measured in the simulator, 16P+16D at 140 req/s: runs of 11 consecutive
+        requests, up to 57, on one decode instance; docs/results.md §7.1)."""
+        return max(decodes, key=lambda d: d.room(now))
 
     def route(self, req: Request, prefills: Sequence[PrefillInstance],
               decodes: Sequence[DecodeInstance] = (), now: float = 0.0):
@@ -295,5 +307,5 @@ class GlobalPolicy(ABC):
             raise RuntimeError("no healthy prefill instance")
         p = self.select_prefill(req, ps, now)
         ds = [d for d in decodes if d.healthy]
-        d = self.select_decode(req, ds) if ds else None
+        d = self.select_decode(req, ds, now) if ds else None
         return p, d
