@@ -70,9 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", help="bind address (default 127.0.0.1; expose deliberately)")
     ap.add_argument("--port", type=int, help="port (default 8000)")
     ap.add_argument("--prefill", action="append", default=[],
-                    metavar="URL[,latency_model=PATH][,local_policy=NAME]",
+                    metavar="URL[,latency_model=PATH][,local_policy=NAME][,kv_events=ADDR][,publish=ADDR]",
                     help="a prefill (or co-located) worker; repeatable. local_policy: the worker's --local-policy "
-                         "(default slide_batching), whose queue order GoRouting's estimate assumes")
+                         "(default slide_batching), whose queue order GoRouting's estimate assumes; kv_events: "
+                         "where it publishes its KV-cache events (its --kv-events-port, e.g. "
+                         "tcp://127.0.0.1:5557): its prefix index then follows its engine's cache exactly; "
+                         "publish: where it publishes its queued prefill work (its --publish-queue-port), for "
+                         "several dispatchers")
     ap.add_argument("--decode", action="append", default=[], metavar="URL=KV_ADDR",
                     help="a decode worker and the ZeroMQ address it receives KV on (its --kv-listen); repeatable")
     ap.add_argument("--deployment", choices=["disaggregated", "colocated"],
@@ -135,6 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
                          "cached (default: an index of the prompts' KV blocks routed to each worker, sized by "
                          "its KV memory from its /metrics, so GoRouting and the cache-aware policies weigh the "
                          "prefix a request would find there; config: prefix_index = false)")
+    ap.add_argument("--kv-events-keys", metavar="DIR",
+                    help="CURVE client keys for the prefill workers' KV-cache events (kv_events=): "
+                         "client.key_secret and the workers' server.key, layout of `python -m "
+                         "proserve.kvtransfer.keys DIR`; required for a non-loopback kv_events address "
+                         "(config: kv_events_keys; kv_events_insecure = true goes without, on a trusted network)")
+    pub = ap.add_argument_group(
+        "several dispatchers (issue 15)",
+        "Each prefill worker started with --publish-queue-port publishes its queued prefill work; a "
+        "dispatcher reading it (publish = \"tcp://HOST:PORT\" in the worker's [[prefill]] entry, or "
+        "--prefill URL,publish=ADDR) routes on the publication plus its own dispatches, so that several "
+        "dispatchers in front of the same workers see each other's requests.")
+    pub.add_argument("--publication-keys", metavar="DIR",
+                     help="CURVE client keys for the workers' queue publications: client.key_secret and the "
+                          "workers' server.key (layout of `python -m proserve.kvtransfer.keys DIR`); required for "
+                          "a non-loopback publish address (config: publication_keys; publication_insecure = true "
+                          "goes without, on a trusted network)")
+    pub.add_argument("--publication-interval", type=float, metavar="SECONDS",
+                     help="the workers' --publish-interval (default 0.1; config: publication_interval_s)")
+    pub.add_argument("--publication-stale-intervals", type=int, metavar="K",
+                     help="a worker with no publication for K intervals is routed on this dispatcher's own "
+                          "view of it until the next (default 5; config: publication_stale_intervals)")
     ap.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
                     help="at start, wait up to this long for every instance to answer (default: don't)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -154,7 +179,11 @@ def config_from_args(args) -> DispatcherConfig:
                        ("max_queued_requests", "max_queued_requests"), ("max_queued_tokens", "max_queued_tokens"),
                        ("shutdown_timeout_s", "shutdown_timeout"),
                        ("worker_api_key_file", "worker_key_file"), ("prefix_index", "prefix_index"),
-                       ("admin_key_file", "admin_key_file"), ("latency_model", "latency_model")):
+                       ("admin_key_file", "admin_key_file"), ("latency_model", "latency_model"),
+                       ("kv_events_keys", "kv_events_keys"),
+                       ("publication_keys", "publication_keys"),
+                       ("publication_interval_s", "publication_interval"),
+                       ("publication_stale_intervals", "publication_stale_intervals")):
         v = getattr(args, flag)
         if v is not None:
             setattr(cfg, attr, v)
@@ -173,11 +202,13 @@ def config_from_args(args) -> DispatcherConfig:
     for item in args.prefill:
         url, _, rest = item.partition(",")
         opts = parse_key_values([x for x in rest.split(",") if x], "--prefill") if rest else {}
-        unknown = set(opts) - {"latency_model", "local_policy"}
+        unknown = set(opts) - {"latency_model", "local_policy", "kv_events", "publish"}
         if unknown:
             raise ConfigError(f"--prefill {item!r}: unknown option(s) {', '.join(sorted(unknown))}")
         lp = check_local_policy(opts.get("local_policy", PrefillSpec.local_policy), f"--prefill {item!r}: local_policy")
-        cfg.prefill.append(PrefillSpec(url, opts.get("latency_model"), local_policy=lp))
+        cfg.prefill.append(PrefillSpec(url, opts.get("latency_model"), local_policy=lp,
+                                       kv_events=opts.get("kv_events", "")))
+        cfg.prefill[-1].publish = opts.get("publish", "")   # issue 15: its queue publication address
     for item in args.decode:
         url, sep, kv = item.partition("=")
         if not sep:

@@ -31,6 +31,16 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       latency_model = "models/x.json"   # optional: for prefill workers added at run time
       prefix_index = true           # keep an index of each prefill worker's prefix cache from the
                                     # prompts routed there (issue 14); false: route as if none caches
+      kv_events_keys = "secrets/kv-events"   # CURVE client keys for the workers' kv_events (client.key_secret,
+                                    # server.key); required for a non-loopback kv_events address ...
+      kv_events_insecure = false    # ... unless this is true (unauthenticated, on a trusted network)
+      # several dispatchers in front of the same workers (issue 15): each reads every prefill
+      # worker's queue publication ([[prefill]] publish) and so sees the others' dispatches
+      publication_keys = "secrets/pub"   # CURVE client keys (client.key_secret, server.key); required
+                                    # for a non-loopback publish address ...
+      publication_insecure = false  # ... unless this is true (unauthenticated, on a trusted network)
+      publication_interval_s = 0.1  # the workers' --publish-interval
+      publication_stale_intervals = 5   # no publication for this many intervals: own view again
       [global_params]               # keyword arguments of the policy, e.g. alpha = 0.9
       [gain]                        # TDG weights (Eq. 3): w_p, w_d; deadline = "fixed" | "ttft_anchored"
       w_p = 1.0
@@ -43,6 +53,10 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       latency_model = "profiler/models/tiny-llama-cpu.json"   # optional; default: the bundled profile
       local_policy = "slide_batching"   # optional: the worker's --local-policy (the worker's default
                                         # shown); GoRouting's estimate assumes the order it serves in
+      kv_events = "tcp://127.0.0.1:5557"   # optional: where it publishes its KV-cache events (its
+                                        # --kv-events-port): its prefix index is then driven by them
+      publish = "tcp://127.0.0.1:15700"  # optional: where it publishes its queued prefill work (its
+                                        # --publish-queue-port), for several dispatchers (issue 15)
       [[decode]]
       url = "http://127.0.0.1:8200"
       kv_addr = "tcp://127.0.0.1:15600"   # where this decode worker receives KV (its --kv-listen)
@@ -118,6 +132,8 @@ class PrefillSpec:
     latency_model: str | None = None
     name: str = ""
     local_policy: str = "slide_batching"   # what the worker runs (its --local-policy default)
+    kv_events: str = ""                    # its KV-cache event address (--kv-events-port); "": none
+    publish: str = ""                      # its queue publication address (--publish-queue-port); "": none
 
 
 @dataclass
@@ -141,6 +157,7 @@ class DiscoverSpec:
     local_policy: str = "slide_batching"    # prefill: the workers' --local-policy
     latency_model: str | None = None        # prefill: their latency model (default: dispatcher-wide)
     name_prefix: str = ""                   # worker names: PREFIX + address (default: "<host>-")
+    kv_events_port: int | None = None       # prefill: KV-cache events at tcp://ADDR:port (--kv-events-port)
 
 
 @dataclass
@@ -193,6 +210,18 @@ class DispatcherConfig:
     # blocks of the prompts routed there, as many as its KV memory holds (from its /metrics);
     # queued work is priced net of the prefix expected there (routing.base.expected_hit)
     prefix_index: bool = True
+    # the precise index (issue 14, proserve.dispatcher.kv_events): CURVE client keys for the prefill
+    # workers' KV-cache events (PrefillSpec.kv_events), and whether a non-loopback address may go without
+    kv_events_keys: str | None = None
+    kv_events_insecure: bool = False
+    # several dispatchers (issue 15, proserve.dispatcher.publication): the prefill workers publish
+    # their queued prefill work (PrefillSpec.publish); CURVE client keys for those subscriptions,
+    # whether a non-loopback address may go without, the workers' publication interval, and after
+    # how many intervals without one the dispatcher falls back to its own view of that worker
+    publication_keys: str | None = None
+    publication_insecure: bool = False
+    publication_interval_s: float = 0.1
+    publication_stale_intervals: int = 5
     seed: int = 0
 
     def validate(self, where: str = "config") -> None:
@@ -238,6 +267,18 @@ class DispatcherConfig:
                     s.name = f"{kind[0]}{i}"
         for i, d in enumerate(self.decode):
             check_kv_addr(d.kv_addr, f"{where}: decode[{i}].kv_addr")
+        validate.boolean(where, "dispatcher.kv_events_insecure", self.kv_events_insecure)
+        if self.kv_events_keys is not None and (not isinstance(self.kv_events_keys, str) or not self.kv_events_keys):
+            validate.fail(where, "dispatcher.kv_events_keys", "a directory", self.kv_events_keys)
+        events: dict[str, int] = {}
+        for i, s in enumerate(self.prefill):
+            if s.kv_events:
+                check_kv_events(s.kv_events, self, f"{where}: prefill[{i}].kv_events")
+                if s.kv_events in events:   # two workers' indexes driven by one engine's cache
+                    raise ConfigError(f"{where}: prefill[{i}].kv_events {s.kv_events!r} is also "
+                                      f"prefill[{events[s.kv_events]}]'s")
+                events[s.kv_events] = i
+        check_publication(self, where)
 
     @property
     def admission(self) -> AdmissionConfig:
@@ -330,6 +371,10 @@ def check_discover(s: DiscoverSpec, deployment: str, where: str) -> None:
             raise ConfigError(f"{where}: a decode entry needs kv_port (the workers' --kv-listen port)")
         validate.integer(where, "kv_port", s.kv_port, 1, 65535)
     check_local_policy(s.local_policy, f"{where}.local_policy")
+    if s.kv_events_port is not None:
+        if s.role != "prefill":
+            raise ConfigError(f"{where}: kv_events_port is for prefill workers")
+        validate.integer(where, "kv_events_port", s.kv_events_port, 1, 65535)
     if s.latency_model is not None and (not isinstance(s.latency_model, str) or not s.latency_model):
         validate.fail(where, "latency_model", "a file path", s.latency_model)
     if not isinstance(s.name_prefix, str) or len(s.name_prefix) > 64 \
@@ -343,6 +388,42 @@ def check_local_policy(name: Any, where: str) -> str:
         raise ConfigError(f"{where}: expected one of "
                           f"{', '.join(local_names() + list(LOCAL_POLICIES_OUTSIDE_REGISTRY))}, got {name!r}")
     return name
+
+
+def _check_side_channel(addr: Any, keys: Any, insecure: bool, where: str, worker_flag: str, keys_key: str,
+                        worker_keys_flag: str, insecure_key: str, example: str) -> str:
+    """A worker's ZeroMQ side-channel address (KV-cache events, queue publications): tcp:// or
+    ipc://; beyond loopback only with CURVE client keys (``keys_key``) or ``insecure_key``."""
+    from proserve.kvtransfer.auth import is_loopback
+    if not isinstance(addr, str) or len(addr) > 1024 or not addr.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"{where}: must be a ZeroMQ address like {example} (the worker's "
+                          f"{worker_flag}), got {addr!r:.200}")
+    if not keys and not insecure and not is_loopback(addr):
+        raise ConfigError(f"{where}: {addr} is not a loopback address: set dispatcher.{keys_key} (CURVE "
+                          f"client keys; the worker's {worker_keys_flag}), or {insecure_key} = true on a "
+                          f"trusted network")
+    return addr
+
+
+def check_kv_events(addr: Any, cfg: DispatcherConfig, where: str) -> str:
+    """A prefill worker's KV-cache event address (issue 14)."""
+    return _check_side_channel(addr, cfg.kv_events_keys, cfg.kv_events_insecure, where, "--kv-events-port",
+                               "kv_events_keys", "--kv-events-keys", "kv_events_insecure", "tcp://127.0.0.1:5557")
+
+
+def check_publication(cfg: DispatcherConfig, where: str) -> None:
+    """The queue-publication settings (issue 15): each [[prefill]] ``publish`` a ZeroMQ address,
+    beyond loopback only with ``publication_keys`` or ``publication_insecure``."""
+    validate.boolean(where, "dispatcher.publication_insecure", cfg.publication_insecure)
+    validate.positive(where, "dispatcher.publication_interval_s", cfg.publication_interval_s)
+    validate.integer(where, "dispatcher.publication_stale_intervals", cfg.publication_stale_intervals, 1)
+    if cfg.publication_keys is not None and (not isinstance(cfg.publication_keys, str) or not cfg.publication_keys):
+        validate.fail(where, "dispatcher.publication_keys", "a directory", cfg.publication_keys)
+    for i, s in enumerate(cfg.prefill):
+        if s.publish:
+            _check_side_channel(s.publish, cfg.publication_keys, cfg.publication_insecure,
+                                f"{where}: prefill[{i}].publish", "--publish-queue-port", "publication_keys",
+                                "--publish-keys", "publication_insecure", "tcp://127.0.0.1:15700")
 
 
 def check_kv_addr(addr: Any, where: str) -> str:
@@ -380,12 +461,14 @@ _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_clas
                     "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",
                     "max_queued_requests", "max_queued_tokens",
                     "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed", "prefix_index",
-                    "admin_key_file", "latency_model"}
+                    "admin_key_file", "latency_model", "kv_events_keys", "kv_events_insecure",
+                    "publication_keys", "publication_insecure", "publication_interval_s",
+                    "publication_stale_intervals"}
 #: keys renamed since: a config file using the old name gets an error naming the new one
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
 _TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode", "discover"}
 _DISCOVER_KEYS = {"role", "host", "port", "scheme", "interval_s", "timeout_s", "kv_port", "local_policy",
-                  "latency_model", "name_prefix"}
+                  "latency_model", "name_prefix", "kv_events_port"}
 
 
 def _table(data: Mapping, key: str, where: str) -> dict:
@@ -418,6 +501,12 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
         raise ConfigError(f"{where}: dispatcher: unknown key(s) {', '.join(sorted(unknown))}")
     for k, v in d.items():
         setattr(cfg, k, v)
+    if isinstance(cfg.kv_events_keys, str) and cfg.kv_events_keys and base is not None \
+            and not Path(cfg.kv_events_keys).is_absolute():
+        cfg.kv_events_keys = str((base / cfg.kv_events_keys).resolve())
+    if isinstance(cfg.publication_keys, str) and cfg.publication_keys and base is not None \
+            and not Path(cfg.publication_keys).is_absolute():
+        cfg.publication_keys = str((base / cfg.publication_keys).resolve())
     for k in ("worker_api_key_file", "admin_key_file", "latency_model"):
         v = getattr(cfg, k)
         if isinstance(v, str) and v and base is not None and not Path(v).is_absolute():
@@ -437,14 +526,15 @@ def config_from_dict(data: Mapping, where: str = "config", base: Path | None = N
     for i, p in enumerate(_list(data, "prefill", where)):
         if not isinstance(p, dict) or "url" not in p:
             raise ConfigError(f"{where}: prefill[{i}] needs a url")
-        unknown = set(p) - {"url", "latency_model", "name", "local_policy"}
+        unknown = set(p) - {"url", "latency_model", "name", "local_policy", "kv_events", "publish"}
         if unknown:
             raise ConfigError(f"{where}: prefill[{i}]: unknown key(s) {', '.join(sorted(unknown))}")
         lm = p.get("latency_model")
         if lm is not None and base is not None and not Path(lm).is_absolute():
             lm = str((base / lm).resolve())
         lp = check_local_policy(p.get("local_policy", PrefillSpec.local_policy), f"{where}: prefill[{i}].local_policy")
-        cfg.prefill.append(PrefillSpec(p["url"], lm, str(p.get("name", "")), lp))
+        cfg.prefill.append(PrefillSpec(p["url"], lm, str(p.get("name", "")), lp, p.get("kv_events", "")))
+        cfg.prefill[-1].publish = p.get("publish", "")   # issue 15: its queue publication address
     for i, x in enumerate(_list(data, "decode", where)):
         if not isinstance(x, dict) or "url" not in x or "kv_addr" not in x:
             raise ConfigError(f"{where}: decode[{i}] needs url and kv_addr")

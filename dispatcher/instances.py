@@ -36,6 +36,10 @@ timeout. An established connection that breaks (reset, closed mid-answer) has
 it checked at once (:meth:`Registry.suspect`). It rejoins by itself after its
 next good check. A prefill worker marked down loses its prefix index (a restarted
 engine's cache is empty): the index starts over from the requests routed there next.
+A prefill worker with a KV-event address (``kv_events``, issue 14) is subscribed to
+its engine's KV-cache events once a check passes (after the scrape that sizes its
+index), and unsubscribed when it is marked down or removed
+(:mod:`proserve.dispatcher.kv_events`).
 
 Membership changes at run time (issue 15; :mod:`proserve.dispatcher.membership` drives
 them): :meth:`Registry.add` a worker (its checks start at once; it takes traffic once
@@ -55,6 +59,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -152,6 +157,10 @@ class Worker:
 @dataclass
 class PrefillWorker(Worker):
     state: PrefillInstance | None = None   # the router's view: PrefillQueueMap[p], ts_p, β
+    #: where it publishes its KV-cache events (its --kv-events-port), "" for none: then its prefix
+    #: index is driven by them (proserve.dispatcher.kv_events, issue 14)
+    kv_events: str = ""
+    events: Any = field(default=None, repr=False)   # its kv_events.Subscriber while one runs
 
     @property
     def beta(self) -> float:
@@ -165,6 +174,9 @@ class PrefillWorker(Worker):
         super().mark_down(why)
         if self.state is not None:
             self.state.prefix = None   # its cache may not outlive this (a restart): the index starts over
+        if self.events is not None:    # and its event subscription with it (resubscribed once healthy)
+            from .kv_events import KVEventHub
+            KVEventHub.drop(self)
 
 
 @dataclass
@@ -255,7 +267,7 @@ class Registry:
         self._owner = owner          # has .http, the dispatcher's aiohttp session
         self.prefill: list[PrefillWorker] = []
         for i, s in enumerate(cfg.prefill):
-            w = PrefillWorker("prefill", s.name, s.url.rstrip("/"))
+            w = PrefillWorker("prefill", s.name, s.url.rstrip("/"), kv_events=s.kv_events)
             w.state = PrefillInstance(i, _estimator(s), order=router_order(s.local_policy))
             w.state.healthy = False
             self.prefill.append(w)
@@ -288,6 +300,9 @@ class Registry:
             w.healthy, w.fails, w.last_error, w.key_rejected = True, 0, "", False
             self._sync(w)
             await self.scrape(w)
+            hub = getattr(self._owner, "kv_events", None)
+            if hub is not None and isinstance(w, PrefillWorker) and w.healthy:
+                hub.ensure(w)      # its KV-event subscription (issue 14), after the scrape sized its index
             return True
         if result == "timeout_progressing":
             # slow, not dead: it is delivering tokens; neither a failure nor a pass
@@ -473,14 +488,14 @@ class Registry:
         return next((w for w in self.workers if w.name == name), None)
 
     def add(self, role: str, name: str, url: str, *, kv_addr: str = "", local_policy: str = "slide_batching",
-            latency_model: str | None = None, source: str = "admin") -> Worker:
+            latency_model: str | None = None, source: str = "admin", kv_events: str = "") -> Worker:
         """A new worker (the caller checked its fields and that its name and URL are
         free): out of the candidate set until its first check passes; that check starts
         now when the event loop runs (the health loop's timer would start it too)."""
         rid = self._next_id[role]
         self._next_id[role] += 1
         if role == "prefill":
-            w = PrefillWorker("prefill", name, url.rstrip("/"), source=source)
+            w = PrefillWorker("prefill", name, url.rstrip("/"), source=source, kv_events=kv_events)
             spec = PrefillSpec(url, latency_model or self.cfg.latency_model, name, local_policy)
             w.state = PrefillInstance(rid, _estimator(spec), order=router_order(local_policy))
             w.state.healthy = False
@@ -511,6 +526,9 @@ class Registry:
             self.decode.remove(w)
         w.removed = True
         self._sync(w)
+        if isinstance(w, PrefillWorker):
+            from .kv_events import KVEventHub
+            KVEventHub.drop(w)       # its event subscription ends (issue 14)
         t = self._checks.pop(w.name, None)
         if t is not None:
             t.cancel()
@@ -557,6 +575,8 @@ class Registry:
                 d["step_offset_s"] = round(w.delta, 6)
                 d["cache_tokens"] = w.state.cache_tokens
                 d["prefix_index_blocks"] = len(w.state.prefix) if w.state.prefix is not None else 0
+                if w.kv_events:
+                    d["kv_events"] = {"address": w.kv_events, "subscribed": bool(w.events and w.events.connected)}
                 if w.state.kv_usage is not None:
                     d["kv_usage"] = round(w.state.kv_usage, 4)
             elif isinstance(w, DecodeWorker):

@@ -18,7 +18,8 @@ Two ways in:
   The add body: ``{"role": "prefill" | "decode", "url": "http://10.0.0.7:8100",
   "kv_addr": "tcp://10.0.0.7:15600" (decode only, required), "local_policy":
   "slide_batching" (prefill only, optional), "name": "p7" (optional; default the next
-  ``p<id>`` / ``d<id>``)}``. A bad field is a 400; a name, URL or KV address already in
+  ``p<id>`` / ``d<id>``), "kv_events": "tcp://10.0.0.7:5557" (prefill only, optional: where it
+  publishes its KV-cache events, :mod:`proserve.dispatcher.kv_events`)}``. A bad field is a 400; a name, URL or KV address already in
   use is a 409. A worker added is checked at once and takes requests once healthy.
 
   A worker's ``state``: ``healthy`` (takes requests), ``down`` (failed its checks),
@@ -68,7 +69,7 @@ from proserve.scheduler.request import ConfigError
 from proserve.scheduler.routing.base import PrefillQueueMap
 
 from .auth import bearer_key
-from .config import WORKER_NAME_RE, DiscoverSpec, check_kv_addr, check_local_policy, check_url
+from .config import WORKER_NAME_RE, DiscoverSpec, check_kv_addr, check_kv_events, check_local_policy, check_url
 from .errors import ApiError
 from .instances import PrefillWorker, Worker
 
@@ -78,7 +79,7 @@ logger = logging.getLogger("proserve.dispatcher")
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 #: a name resolving to more addresses than this is a bad answer (kept out, as a failure)
 MAX_DISCOVERED = 1024
-_ADD_FIELDS = {"role", "url", "name", "kv_addr", "local_policy"}
+_ADD_FIELDS = {"role", "url", "name", "kv_addr", "local_policy", "kv_events"}
 _MAX_URL = 2048
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -144,7 +145,7 @@ class Membership:
         except ConfigError as e:
             raise ApiError(400, str(e), param="url") from None
         url = url.rstrip("/")
-        kv_addr, local_policy = "", "slide_batching"
+        kv_addr, local_policy, kv_events = "", "slide_batching", ""
         if role == "decode":
             if "local_policy" in body:
                 raise ApiError(400, "local_policy is for prefill workers", param="local_policy")
@@ -162,6 +163,13 @@ class Membership:
                 local_policy = check_local_policy(body.get("local_policy", local_policy), "local_policy")
             except ConfigError as e:
                 raise ApiError(400, str(e), param="local_policy") from None
+            if body.get("kv_events") is not None:    # its KV-cache events (issue 14)
+                try:
+                    kv_events = check_kv_events(body["kv_events"], self.d.cfg, "kv_events")
+                except ConfigError as e:
+                    raise ApiError(400, str(e), param="kv_events") from None
+        if role == "decode" and "kv_events" in body:
+            raise ApiError(400, "kv_events is for prefill workers", param="kv_events")
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not WORKER_NAME_RE.fullmatch(name)):
             raise ApiError(400, f"name must be 1-128 letters, digits and . _ : @ [ ] - (starting with a letter "
@@ -176,10 +184,14 @@ class Membership:
         if clash is not None:
             raise ApiError(409, f"{kv_addr} is already the KV address of worker {clash.name!r}", type="conflict",
                            param="kv_addr")
+        clash = next((w for w in everyone if getattr(w, "kv_events", None) == kv_events and kv_events), None)
+        if clash is not None:      # its index would be driven by another engine's cache
+            raise ApiError(409, f"{kv_events} is already the KV-event address of worker {clash.name!r}",
+                           type="conflict", param="kv_events")
         if name is None:
             name = self._free_name(role)
         w = self.registry.add(role, name, url, kv_addr=kv_addr, local_policy=local_policy,
-                              latency_model=self._latency_model(source), source=source)
+                              latency_model=self._latency_model(source), source=source, kv_events=kv_events)
         if isinstance(w, PrefillWorker):
             self._rebuild_queue_map()
         self.d.metrics.membership.labels(role, "added", source.partition(":")[0]).inc()
@@ -327,6 +339,8 @@ class Membership:
                     body["kv_addr"] = f"tcp://{_host_part(a)}:{spec.kv_port}"
                 else:
                     body["local_policy"] = spec.local_policy
+                    if spec.kv_events_port is not None:
+                        body["kv_events"] = f"tcp://{_host_part(a)}:{spec.kv_events_port}"
                 try:
                     self.add(body, source=source)
                     self._refused.discard(url)

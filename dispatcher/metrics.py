@@ -29,6 +29,11 @@ Membership (issue 15): workers added, drained, resumed and removed at run time
 draining ones, and failed DNS resolutions (``discovery_errors{host, reason}``: timeout,
 error, empty, too_many). A removed worker's gauges leave the page once its last request
 ends; its counters stay.
+
+KV-cache events (issue 14, prefill workers with ``kv_events``): events per instance by
+result (``kv_events{instance, result}``: applied, ignored, malformed) and the times its
+event-driven prefix index was cleared (``kv_event_resets{instance, reason}``: gap,
+restart, reconnect, lost, malformed).
 """
 
 from __future__ import annotations
@@ -114,6 +119,28 @@ class Metrics:
                               "new requests)", ["role", "instance"], registry=r)
         self.queue_peak = Gauge("proserve:dispatcher_stream_queue_peak_events", "Most events any stream's "
                                 "queue held at once since start (bounded by stream_queue_events)", registry=r)
+        # the precise prefix index (issue 14, proserve.dispatcher.kv_events)
+        self.kv_events = Counter("proserve:dispatcher_kv_events", "KV-cache events of a prefill worker "
+                                 "(its --kv-events-port) by result: applied (to its prefix index), ignored "
+                                 "(well-formed but not indexable: LoRA or extra-key blocks, another medium or "
+                                 "KV group, a parent never seen, no index yet), malformed (dropped; an "
+                                 "undecodable batch counts once)", ["instance", "result"], registry=r)
+        self.kv_event_resets = Counter("proserve:dispatcher_kv_event_resets", "Times a prefill worker's "
+                                       "event-driven prefix index was cleared as no longer trustworthy, by "
+                                       "reason: gap (batches skipped), restart (numbering went back), reconnect, "
+                                       "lost (an undecodable batch), malformed (an event that could not be "
+                                       "applied)", ["instance", "reason"], registry=r)
+        # several dispatchers (issue 15, proserve.dispatcher.publication)
+        self.publications = Counter("proserve:dispatcher_publications", "Queue publications of a prefill "
+                                    "worker (several dispatchers) by result: ok (applied to the router's view), "
+                                    "malformed (dropped), stale (none for publication_stale_intervals: the "
+                                    "dispatcher's own view of the worker again)", ["instance", "result"], registry=r)
+        self.publication_foreign = Counter("proserve:dispatcher_publication_foreign_requests", "Requests other "
+                                           "dispatchers sent to a prefill worker, first seen in its queue "
+                                           "publications", ["instance"], registry=r)
+        self.publication_fresh = Gauge("proserve:dispatcher_publication_fresh", "1 while a prefill worker's queue "
+                                       "publications arrive in time (the router's view of it is the publication "
+                                       "plus this dispatcher's own dispatches)", ["instance"], registry=r)
         #: the high-water mark itself, a plain int (updated per event; exported on render)
         self.stream_queue_peak = 0
 
@@ -139,7 +166,8 @@ class Metrics:
                 gauge.remove(*labels)
             except KeyError:
                 pass
-        for counter in (self.routed, self.broken_connections, self.health_checks, self.scrape_failures):
+        for counter in (self.routed, self.broken_connections, self.health_checks, self.scrape_failures,
+                        self.kv_events, self.kv_event_resets):
             names = counter._labelnames          # prometheus_client keeps no public label-set list
             at = names.index("instance")
             for labels in [k for k in list(counter._metrics) if k[at] == w.name]:

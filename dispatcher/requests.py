@@ -29,7 +29,8 @@ from .errors import ApiError
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 #: vllm_xargs keys the dispatcher owns (see prefill.params)
-SCHED_KEYS = ("priority_class", "weight", "ttft_slo", "tpot_slo", "arrival_time")
+SCHED_KEYS = ("priority_class", "weight", "ttft_slo", "tpot_slo", "arrival_time",
+              "dispatch_id")   # the request's id, as the workers' queue publications name it (issue 15)
 _OWN = ("priority", "slo", "kv_transfer_params")
 
 
@@ -63,7 +64,7 @@ class Job:
     def xargs(self) -> dict:
         g = self.grant
         return {"priority_class": g.cls.name, "weight": g.cls.weight, "ttft_slo": g.ttft_slo,
-                "tpot_slo": g.tpot_slo, "arrival_time": self.arrival}
+                "tpot_slo": g.tpot_slo, "arrival_time": self.arrival, "dispatch_id": self.id}
 
 
 def _int(body: dict, key: str, lo: int) -> int | None:

@@ -97,9 +97,11 @@ from .instances import (
     Worker,
     read_capped,
 )
+from .kv_events import KVEventHub
 from .limits import ConcurrencyLimiter
 from .membership import Membership, add_admin_routes
 from .metrics import Metrics
+from .publication import Publications
 from .requests import (
     CHAT,
     COMPLETIONS,
@@ -182,6 +184,8 @@ class Dispatcher:
         if self.admin_key is not None and self.admin_key == self.worker_key:
             raise ConfigError("the admin key must not be the worker key")
         self.membership = Membership(self)
+        self.kv_events = KVEventHub(self)        # prefill workers' KV-cache event subscriptions (issue 14)
+        self.publications = Publications(self)   # prefill workers' queue publications (issue 15)
         self.limiter = ConcurrencyLimiter(cfg.max_concurrent, cfg.max_concurrent_per_key)
         self._record = open(cfg.record_requests, "a", buffering=1) if cfg.record_requests else None
         self._tokenize_rr = 0
@@ -214,10 +218,13 @@ class Dispatcher:
                 logger.warning("not healthy yet: %s", "; ".join(down))
         self.registry.start()
         self.membership.start()
+        self.publications.start()
 
     async def close(self) -> None:
         await self.membership.stop()
         await self.registry.stop()
+        await self.kv_events.close()
+        await self.publications.close()
         if self.http is not None:
             await self.http.close()
         if self._record:
@@ -389,6 +396,7 @@ class Dispatcher:
         # releases the decode blocks promised to it until its prefill ends: RouterHost)
         self.router_host.dispatched(job.sreq, p_state.id, now, d_state,
                                     decode_blocks(job.prompt_len, job.max_tokens, d.block_size) if d else 0)
+        self.publications.dispatched(job.sreq.id)   # ours, whatever a later publication says (issue 15)
         self.metrics.routed.labels("prefill", p.name).inc()
         return p, d
 

@@ -35,6 +35,10 @@ class EngineConfig:
     correction      "scale_offset" (default: β and a per-step offset δ) or "scale"
                     (the paper's β alone); see scheduler.estimator.OnlineCorrector
     record_steps    path of a JSONL file that gets one line per step (profiling, benchmarks)
+    publish_queue   ZeroMQ address on which to publish the queued prefill work for several
+                    dispatchers (issue 15, :mod:`proserve.prefill.queue_publisher`); None: off
+    publish_interval_s, publish_keys, publish_insecure
+                    its interval, CURVE key directory, and leave to go without keys beyond loopback
     """
 
     local_policy: str = "slide_batching"
@@ -50,6 +54,10 @@ class EngineConfig:
     window_s: float = 1.0
     correction: str = SCALE_OFFSET
     record_steps: str | None = None
+    publish_queue: str | None = None
+    publish_interval_s: float = 0.1
+    publish_keys: str | None = None
+    publish_insecure: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "EngineConfig":
@@ -69,6 +77,13 @@ class EngineConfig:
                               "true output length, which only the simulator knows)", cfg.local_policy)
         if not isinstance(cfg.policy_params, dict):
             validate.fail(where, "policy_params", "an object", cfg.policy_params)
+        if cfg.publish_queue is not None:
+            from .queue_publisher import check_address
+            validate.positive(where, "publish_interval_s", cfg.publish_interval_s)
+            try:
+                check_address(cfg.publish_queue, cfg.publish_keys, bool(cfg.publish_insecure))
+            except ValueError as e:
+                raise ConfigError(f"{where}: publish_queue: {e}") from None
         return cfg
 
 

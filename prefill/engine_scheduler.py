@@ -103,6 +103,10 @@ class ProServeScheduler(Scheduler):
         if getattr(self.scheduler_config, "async_scheduling", False):
             raise ConfigError("ProServeScheduler needs synchronous scheduling (it times each step between "
                               "schedule() and update_from_output()): run vLLM with --no-async-scheduling")
+        # issue 14: vLLM's KV-cache events for the dispatcher's index, on ProServe's publisher
+        from .kv_events import CONFIG_KEY, install
+
+        install(self, extra.get(CONFIG_KEY))
         parts = build(cfg)
         self.classes, self.default_class = parts.classes, parts.default_class
         self.estimator, self.gain, self.policy = parts.estimator, parts.gain, parts.policy
@@ -123,6 +127,8 @@ class ProServeScheduler(Scheduler):
         self._record = open(cfg.record_steps, "a", buffering=1) if cfg.record_steps else None
         from . import sched_metrics
         self.metrics = sched_metrics.for_policy(cfg.local_policy, self.estimator)
+        from . import queue_publisher  # issue 15: the queued prefill work, for several dispatchers
+        self._publisher = queue_publisher.from_config(cfg)
         logger.info("ProServe scheduler: policy=%s mode=%s classes=%s", cfg.local_policy, cfg.mode,
                     ",".join(self.classes))
 
@@ -143,10 +149,15 @@ class ProServeScheduler(Scheduler):
                 tpot_slo=p.tpot_slo, arrival=p.arrival_time if p.arrival_time is not None else request.arrival_time,
                 prompt_len=request.num_prompt_tokens, prefill_len=request.num_prompt_tokens)
             self._order.arrived(request.request_id)
+            if getattr(self, "_publisher", None) is not None:
+                xa = (request.sampling_params.extra_args if request.sampling_params else None) or {}
+                did = xa.get("dispatch_id")
+                self._publisher.arrived(request.request_id, did if isinstance(did, str) else None)
         super().add_request(request)
 
     def finish_requests(self, request_ids, finished_status):
         out = super().finish_requests(request_ids, finished_status)
+        self._publish_queue()
         now = self.wall_clock()
         for r in out:
             # stop strings end requests here too (the front end detects them), not only aborts
@@ -204,6 +215,7 @@ class ProServeScheduler(Scheduler):
     # -- one step ------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
         t0 = self.step_clock()
+        self._publish_queue()   # the queue as of the step's start (issue 15; a no-op unless publishing)
         if self.policy is None:
             out = super().schedule(*args, **kwargs)
         else:
@@ -349,12 +361,46 @@ class ProServeScheduler(Scheduler):
                     "sched_s": sched_s, "est": est, "beta": beta,
                     "waiting": vllm_shim.num_waiting(self), "admitted": admitted,
                     "scheduled": scheduled, "finished": finished, "plan": self._plan_record}) + "\n")
+        self._publish_queue()   # ... and as of its end
         return outputs
+
+    def _publish_queue(self) -> None:
+        """Hand the queue publisher (``publish_queue``, :mod:`proserve.prefill.queue_publisher`)
+        the requests waiting for prefill, as ``_sync`` classifies them but without touching the
+        policy's view; co-located also the decodes (each counted as its prompt)."""
+        pub = getattr(self, "_publisher", None)
+        if pub is None:
+            return
+        entries, n_d, kv, seen = [], 0, 0, set()
+        for q in vllm_shim.queues(self):
+            for req in q:
+                rid = req.request_id
+                v = self._views.get(rid)
+                if v is None or req.status not in vllm_shim.SCHEDULABLE or rid in self._failing:
+                    continue
+                seen.add(rid)
+                done, n_out = req.num_computed_tokens, req.num_output_tokens
+                if n_out == 0 or req.num_tokens - done > 1:
+                    did, t_in = pub.identity(rid)
+                    total = req.num_tokens if n_out else req.num_prompt_tokens
+                    entries.append((did, v.priority, v.weight, v.ttft_slo, v.tpot_slo, t_in,
+                                    max(0, total - done), done, req.num_prompt_tokens))
+                else:
+                    n_d += 1
+                    kv += req.num_prompt_tokens
+        pub.prune(lambda rid: rid in seen or rid in self.requests)
+        if self.mode == PREFILL_ONLY:
+            pub.snapshot(entries)
+        else:
+            pub.snapshot(entries, n_d, float(kv))
 
     def shutdown(self) -> None:
         if self._record is not None:
             self._record.close()
             self._record = None
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.close()
+            self._publisher = None
         super().shutdown()
 
 

@@ -74,7 +74,17 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                              "prefill worker reads client.key_secret and server.key")
                           + "; required for a non-loopback KV address")
     sec.add_argument("--kv-insecure", action="store_true",
-                     help="allow KV over a non-loopback address without CURVE (unauthenticated, unencrypted)")
+                     help="allow KV (and KV-cache events, --kv-events-port) over a non-loopback address without "
+                          "CURVE (unauthenticated, unencrypted)")
+    sec.add_argument("--kv-events-keys", default=None, metavar="DIR",
+                     help="ZeroMQ CURVE server keys for the KV-cache event publisher (--kv-events-port): "
+                          "server.key_secret, and the subscribers' (dispatchers') public keys in DIR/clients, "
+                          "layout of `python -m proserve.kvtransfer.keys DIR`; required for a non-loopback --host")
+    ap.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
+                    help="publish vLLM's KV-cache events (blocks stored, removed, cleared) on a ZeroMQ PUB socket "
+                         "at --host:PORT, for the dispatcher's precise prefix-cache index (its [[prefill]] "
+                         "kv_events = \"tcp://HOST:PORT\"); needs the scheduler plugin (--local-policy other "
+                         "than off; 'stock' keeps vLLM's own scheduling). Default: off")
     ap.add_argument("--kv-timeout", type=float, default=30.0,
                     help=("seconds a request waits for its KV before --kv-failure applies (default 30)"
                           if role == "decode" else
@@ -151,6 +161,23 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                     help="append one JSON line per engine step (batch, measured and estimated time, beta)")
     sg.add_argument("--scheduler-cls", default=None,
                     help="dotted path of another vLLM scheduler class (overrides --local-policy)")
+    if role == "prefill":   # issue 15: several dispatchers read each worker's queue
+        pq = ap.add_argument_group(
+            "queue publication (several dispatchers)",
+            "Publish the requests waiting for prefill (id, class, SLOs, age, tokens left) on a ZeroMQ PUB "
+            "socket, for every dispatcher whose [[prefill]] entry names it (publish = \"tcp://HOST:PORT\"): "
+            "each then sees the others' dispatches. Needs the scheduler plugin (--local-policy not off).")
+        pq.add_argument("--publish-queue-port", type=int, default=None, metavar="PORT",
+                        help="publish on tcp://--host:PORT (default: off)")
+        pq.add_argument("--publish-interval", type=float, default=0.1, metavar="SECONDS",
+                        help="seconds between two publications (default 0.1; the dispatchers' "
+                             "publication_interval_s should match)")
+        pq.add_argument("--publish-keys", default=None, metavar="DIR",
+                        help="CURVE server keys of the publisher: DIR/server.key_secret and the dispatchers' public "
+                             "keys in DIR/clients (python -m proserve.kvtransfer.keys DIR); required on a "
+                             "non-loopback --host")
+        pq.add_argument("--publish-insecure", action="store_true",
+                        help="publish on a non-loopback --host without CURVE (unauthenticated; trusted networks)")
     ap.add_argument("vllm_args", nargs=argparse.REMAINDER,
                     help="anything after `--` is passed to vLLM's server unchanged")
     return ap
@@ -183,6 +210,56 @@ def check_security(role: str, args) -> None:
         raise SystemExit(f"error: --kv-listen {args.kv_listen} is not a loopback address: pass --kv-keys DIR "
                          f"(python -m proserve.kvtransfer.keys DIR makes the CURVE keys), or --kv-insecure on a "
                          f"trusted network")
+    check_kv_events(args)
+
+
+def _check_side_channel(args, port_flag: str, keys_flag: str, insecure_flag: str, plugin_does: str,
+                        interval: tuple[str, float] | None = None) -> None:
+    """A ZeroMQ PUB socket the scheduler plugin opens beside the worker (``port_flag``): a port
+    other than ``--port``, the plugin (``plugin_does`` says why), CURVE server keys
+    (``keys_flag``) or a loopback ``--host`` (or ``insecure_flag``). SystemExit otherwise."""
+    dest = lambda flag: flag[2:].replace("-", "_")   # noqa: E731 -- "--kv-events-port" -> "kv_events_port"
+    port, keys = getattr(args, dest(port_flag), None), getattr(args, dest(keys_flag), None)
+    if port is None:
+        if keys:
+            raise SystemExit(f"error: {keys_flag} without {port_flag}")
+        return
+    if not 1 <= port <= 65535 or port == args.port:
+        raise SystemExit(f"error: {port_flag} {port}: a free port in [1, 65535] other than --port")
+    if interval is not None and not (0.001 <= interval[1] <= 60):
+        raise SystemExit(f"error: {interval[0]} {interval[1]}: between 0.001 and 60 seconds")
+    if args.local_policy == OFF or args.scheduler_cls:
+        raise SystemExit(f"error: {port_flag} needs ProServe's scheduler plugin, which {plugin_does}: drop "
+                         f"--scheduler-cls and use a --local-policy other than off ('stock' keeps vLLM's own "
+                         f"scheduling decisions)")
+    if keys:
+        from proserve.kvtransfer.auth import KeysError, ServerKeys
+        try:
+            ServerKeys.load(keys)
+        except KeysError as e:
+            raise SystemExit(f"error: {keys_flag}: {e}")
+    elif not is_loopback_host(args.host) and not getattr(args, dest(insecure_flag), False):
+        raise SystemExit(f"error: {port_flag} on --host {args.host} (not a loopback address) needs "
+                         f"{keys_flag} DIR (CURVE keys: python -m proserve.kvtransfer.keys DIR), or "
+                         f"{insecure_flag} on a trusted network")
+
+
+def check_kv_events(args) -> None:
+    """--kv-events-port: a port, the scheduler plugin, and CURVE keys beyond loopback (issue 14)."""
+    _check_side_channel(args, "--kv-events-port", "--kv-events-keys", "--kv-insecure", "publishes the events")
+
+
+def kv_events_config(args) -> dict | None:
+    """The publisher's settings (prefill.kv_events.CONFIG_KEY of --additional-config), None when off."""
+    if getattr(args, "kv_events_port", None) is None:
+        return None
+    from .kv_events import endpoint_of
+    cfg: dict = {"endpoint": endpoint_of(args.host, args.kv_events_port)}
+    if args.kv_events_keys:
+        cfg["keys_dir"] = str(Path(args.kv_events_keys).resolve())
+    if args.kv_insecure:
+        cfg["insecure"] = True
+    return cfg
 
 
 def read_api_key(path: str) -> str:
@@ -268,8 +345,14 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
         argv += ["--scheduler-cls", args.scheduler_cls]
     elif args.local_policy != OFF:
         proserve, classes = scheduling_config(role, args)
+        additional = {"proserve": proserve}
+        events = kv_events_config(args)     # issue 14: the plugin publishes vLLM's KV-cache events
+        if events is not None:
+            from .kv_events import CONFIG_KEY, VLLM_KV_EVENTS_CONFIG
+            additional[CONFIG_KEY] = events
+            argv += ["--kv-events-config", json.dumps(VLLM_KV_EVENTS_CONFIG)]
         argv += ["--scheduler-cls", PLUGIN, "--no-async-scheduling",
-                 "--additional-config", json.dumps({"proserve": proserve})]
+                 "--additional-config", json.dumps(additional)]
         # the API server rejects bad per-request parameters with this (HTTP 400)
         argv += ["--logits-processors", VALIDATOR]
         env[params.CLASSES_ENV] = params.classes_to_env(classes)
@@ -340,6 +423,12 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
         v = getattr(args, k)
         if v is not None:
             cfg[k] = v
+    if getattr(args, "publish_queue_port", None) is not None:   # issue 15 (checked in check_publish)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        cfg.update(publish_queue=f"tcp://{host}:{args.publish_queue_port}",
+                   publish_interval_s=args.publish_interval, publish_insecure=bool(args.publish_insecure))
+        if args.publish_keys:
+            cfg["publish_keys"] = str(Path(args.publish_keys).resolve())
     if args.record_steps:
         cfg["record_steps"] = str(Path(args.record_steps).resolve())
     try:  # everything the engine would reject, rejected here with the flag's name
@@ -348,6 +437,12 @@ def scheduling_config(role: str, args) -> tuple[dict, dict]:
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     return cfg, classes
+
+
+def check_publish(args) -> None:
+    """--publish-queue-port: a port, the scheduler plugin, CURVE keys beyond loopback (issue 15)."""
+    _check_side_channel(args, "--publish-queue-port", "--publish-keys", "--publish-insecure", "holds the queue",
+                        ("--publish-interval", getattr(args, "publish_interval", 0.1)))
 
 
 def main(role: str, argv: list[str] | None = None) -> None:
@@ -362,5 +457,6 @@ def main(role: str, argv: list[str] | None = None) -> None:
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     check_security(role, args)
+    check_publish(args)
     cmd, env = vllm_argv(role, args)
     os.execvpe(cmd[0], cmd, env)

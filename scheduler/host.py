@@ -325,3 +325,8 @@ class RouterHost:
         """``req`` ended (its last token, a failure, an abort): released, and the router told."""
         self.released(req, now)
         self.policy.on_request_finished(req, now)
+
+    def placed(self, rid: str) -> bool:
+        """Whether request ``rid`` is on an instance by this router's events (dispatched and
+        not released): a request of this dispatcher's, not another's (several dispatchers)."""
+        return rid in self._at

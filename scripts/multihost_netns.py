@@ -52,6 +52,35 @@ through the dispatcher from the client host, and the script checks:
                handshake_failures counter), deliver nothing, and the decode
                worker stays healthy
 
+With --membership (issue 15: workers join and leave at run time) a seventh namespace
+holds a second decode worker d1, started with the others but not in the dispatcher's
+config, and the dispatcher gets an admin key; while the workload runs the script, over
+the admin API (/admin/workers): adds d1 once a fifth of the requests are routed; once a
+third are, drains the prefill worker that took most of them and drains d0 (so that the
+new decode worker surely serves: with both idle, the decode pick's tie goes to d0);
+removes the drained prefill worker once it holds no request; resumes d0 once two thirds
+are routed and a third more since its drain. A further check:
+
+  membership   every admin call answered as it should (201, 200, DELETE 200 once the
+               worker showed 0 requests, and it is gone from the list); no request that
+               reached the dispatcher after the drain was routed to the drained prefill
+               worker, none decoded on d0 while it was drained (the dispatcher's
+               per-request records, --record-requests), d1 served some of the requests
+               (records and its KV counters), and every request still ended 200 with
+               its tokens
+
+With --dispatchers 2 (issue 15: several dispatchers) an eighth namespace holds a second
+dispatcher (10.77.0.14:8000) with the same config, workers and admin key; each prefill
+worker publishes its queued prefill work (--publish-queue-port 15700, CURVE keys of their
+own: the workers hold the server secret and the admitted client keys, the dispatchers the
+client secret) and both dispatchers read it; the replay is split over the two (a load
+generator each, half the rate), and the membership steps go to both. A further check:
+
+  dispatchers  each dispatcher answered its share, applied publications of the workers
+               (proserve:dispatcher_publications_total{result="ok"} > 0, none malformed)
+               and saw in them requests the other dispatcher had sent
+               (proserve:dispatcher_publication_foreign_requests_total > 0)
+
 Everything is torn down on exit, failure, Ctrl-C or SIGTERM: process groups
 get SIGTERM then SIGKILL, anything left in the namespaces is killed, the
 namespaces (and with them the links and the bridge) are deleted, and so are
@@ -66,6 +95,8 @@ network namespaces cannot be made, no vLLM): the reason is printed.
     sudo python3 scripts/multihost_netns.py                 # the whole run (2.5-5 min on 2 cores)
     python3 scripts/multihost_netns.py --probe              # can namespaces be made here? (exit 0 or 3)
     python3 scripts/multihost_netns.py --json out.json --out DIR --requests 30
+    sudo python3 scripts/multihost_netns.py --membership    # + workers added, drained, removed mid-run
+    sudo python3 scripts/multihost_netns.py --membership --dispatchers 2   # what CI runs
 """
 
 from __future__ import annotations
@@ -96,6 +127,12 @@ client = "batch"
 class = "low"
 """
 HIGH_KEY = "sk-mh-high-0000000001"
+#: --dispatchers 2: the prefill workers publish their queues every this many seconds (often: a
+#: request of the tiny model waits for its prefill for a few tens of ms), on this port; a
+#: dispatcher falls back to its own view after this many intervals without one
+PUBLISH_INTERVAL_S = 0.01
+PUBLISH_STALE_INTERVALS = 50
+PUBLISH_PORT = 15700
 
 
 class Failed(Exception):
@@ -344,7 +381,16 @@ class Run:
         self.checks: dict[str, dict] = {}
         self.info: dict = {}
         self.py = sys.executable
-        self.http_port = {"disp": 8000, "p0": 8100, "p1": 8100, "d0": 8200}
+        self.http_port = {"disp": 8000, "p0": 8100, "p1": 8100, "d0": 8200, "d1": 8200}
+        self.prefills = ["p0", "p1"]
+        # decode workers: d0 in the dispatcher's config; --membership: d1 added at run time
+        self.decodes = ["d0", "d1"] if args.membership else ["d0"]
+        self.admin_key: str | None = None
+        # --dispatchers 2: a second dispatcher in its own namespace; the prefill workers publish
+        # their queued work (issue 15) and both dispatchers read it
+        self.disps = ["disp", "disp2"][:args.dispatchers]
+        self.publish = args.dispatchers > 1
+        self.publish_port = PUBLISH_PORT
         self.kv_port = 15600
 
     # helpers running in the client's namespace ----------------------------------------------
@@ -378,11 +424,21 @@ class Run:
         need = {"disp": ["worker.key"],
                 "p0": ["worker.key", "kv/client.key_secret", "kv/server.key"],
                 "p1": ["worker.key", "kv/client.key_secret", "kv/server.key"],
-                "d0": ["worker.key", "kv/server.key_secret", "kv/clients"]}
+                "d0": ["worker.key", "kv/server.key_secret", "kv/clients"],
+                "d1": ["worker.key", "kv/server.key_secret", "kv/clients"],
+                "disp2": ["worker.key"]}
+        if self.publish:   # the queue publications' CURVE keys: workers serve, dispatchers subscribe
+            sh([self.py, "-m", "proserve.kvtransfer.keys", str(allsec / "pub"), "--overwrite"], timeout=60)
+            for r in self.disps:
+                need[r] = need[r] + ["pub/client.key_secret", "pub/server.key"]
+            for r in self.prefills:
+                need[r] = need[r] + ["pub/server.key_secret", "pub/clients"]
+        need = {r: f for r, f in need.items() if r in (*self.disps, *self.prefills, *self.decodes)}
         dirs = {}
         for role, files in need.items():
             d = self.out / "hosts" / role / "secrets"
             (d / "kv").mkdir(parents=True, mode=0o700, exist_ok=True)
+            (d / "pub").mkdir(parents=True, mode=0o700, exist_ok=True)
             for f in files:
                 src, dst = allsec / f, d / f
                 if src.is_dir():
@@ -391,112 +447,162 @@ class Run:
                     shutil.copy2(src, dst)
             dirs[role] = d
         self.worker_key = (allsec / "worker.key").read_text().strip()
+        if self.a.membership:   # the admin API's key: on the dispatcher's host only
+            self.admin_key = os.urandom(24).hex()
+            for r in self.disps:
+                (dirs[r] / "admin.key").write_text(self.admin_key + "\n")
+                os.chmod(dirs[r] / "admin.key", 0o600)
         return dirs
 
     def cpu_binds(self) -> dict[str, str | None]:
         n = os.cpu_count() or 1
         if n >= 4:
-            return {"p0": "0", "p1": "1", "d0": "2"}
+            return {"p0": "0", "p1": "1", "d0": "2", "d1": str(3 % n)}
         if n >= 2:   # as launch_cluster.sh: prefill engines on core 0, decode on core 1
-            return {"p0": "0", "p1": "0", "d0": "1"}
-        return {"p0": None, "p1": None, "d0": None}
+            return {"p0": "0", "p1": "0", "d0": "1", "d1": "1"}
+        return {"p0": None, "p1": None, "d0": None, "d1": None}
 
-    def start_worker(self, role: str, sec: Path, bind: str | None) -> None:
+    def start_worker(self, role: str, sec: Path, bind: str | None, wait: bool = True) -> Proc:
         kind = "decode" if role.startswith("d") else "prefill"
         addr, port = self.net.hosts[role], self.http_port[role]
         cmd = [*self.net.exec(role), self.py, "-m", f"proserve.{kind}", "--host", addr, "--port", str(port),
                "--api-key-file", str(sec / "worker.key"), "--kv-keys", str(sec / "kv"), "--block-size", "32"]
         if kind == "decode":
             cmd += ["--kv-listen", f"tcp://{addr}:{self.kv_port}"]
+        elif self.publish:   # its queued prefill work, for both dispatchers (issue 15), CURVE
+            cmd += ["--publish-queue-port", str(self.publish_port), "--publish-interval", str(PUBLISH_INTERVAL_S),
+                    "--publish-keys", str(sec / "pub")]
         if bind is not None:
             cmd += ["--cpu-bind", bind]
         # prefix caching off: every request's prompt KV is computed on a prefill host and sent in
         # full, so the checks (bytes sent == received, the decode host computes no prompt token)
         # do not depend on what earlier requests left cached
         cmd += ["--", "--no-enable-prefix-caching"]
-        t0 = time.monotonic()
         p = Proc(f"{kind} worker {role}", cmd, self.out / f"{role}.log")
+        p.t0 = time.monotonic()
         self.procs.append(p)
         log(f"starting {p.name} in {self.net.ns(role)} on http://{addr}:{port}"
             + (f", KV on tcp://{addr}:{self.kv_port}" if kind == "decode" else ""))
-        took = self.wait_healthy(p, f"http://{addr}:{port}", self.a.start_timeout)
-        self.timings[f"start {role}"] = round(time.monotonic() - t0, 1)
-        log(f"{p.name} healthy after {took:.0f} s")
+        if wait:
+            self.wait_worker(role, p)
+        return p
 
-    def start_dispatcher(self, sec: Path) -> None:
+    def wait_worker(self, role: str, p: Proc) -> None:
+        addr, port = self.net.hosts[role], self.http_port[role]
+        took = self.wait_healthy(p, f"http://{addr}:{port}", self.a.start_timeout)
+        self.timings[f"start {role}"] = round(time.monotonic() - p.t0, 1)
+        log(f"{p.name} healthy after {took:.0f} s ({time.monotonic() - p.t0:.0f} s since its start)")
+
+    def start_dispatcher(self, secs: dict[str, Path]) -> None:
+        """The dispatchers (one, or with --dispatchers 2 a second in its own namespace: the same
+        workers, both reading the prefill workers' queue publications), one after the other."""
         h = self.net.hosts
-        cfg = f"""# generated by scripts/multihost_netns.py: workers named by their addresses on the private subnet
+        self.keys = self.out / "hosts" / "disp" / "keys.toml"
+        self.keys.write_text(KEYS_TOML)
+        self.disp_urls, self.records_of = [], {}
+        for role in self.disps:
+            sec = secs[role]
+            pub_cfg = ""
+            if self.publish:
+                pub_cfg = (f'publication_keys = "{sec / "pub"}"\n'
+                           f"publication_interval_s = {PUBLISH_INTERVAL_S}\n"
+                           f"publication_stale_intervals = {PUBLISH_STALE_INTERVALS}\n")
+            prefills = "".join(
+                f'\n[[prefill]]\nurl = "http://{h[r]}:{self.http_port[r]}"\n'
+                + (f'publish = "tcp://{h[r]}:{self.publish_port}"\n' if self.publish else "")
+                for r in self.prefills)
+            cfg = f"""# generated by scripts/multihost_netns.py: workers named by their addresses on the private subnet
 [dispatcher]
-host = "{h['disp']}"
+host = "{h[role]}"
 port = {self.http_port['disp']}
 global_policy = "go_routing"
 worker_api_key_file = "{sec / 'worker.key'}"
 health_interval_s = 0.5
-
-[[prefill]]
-url = "http://{h['p0']}:{self.http_port['p0']}"
-
-[[prefill]]
-url = "http://{h['p1']}:{self.http_port['p1']}"
-
+{pub_cfg}{prefills}
 [[decode]]
 url = "http://{h['d0']}:{self.http_port['d0']}"
 kv_addr = "tcp://{h['d0']}:{self.kv_port}"
 """
-        conf = self.out / "hosts" / "disp" / "cluster.toml"
-        conf.write_text(cfg)
-        self.keys = self.out / "hosts" / "disp" / "keys.toml"
-        self.keys.write_text(KEYS_TOML)
-        self.records = self.out / "dispatcher-requests.jsonl"
-        cmd = [*self.net.exec("disp"), self.py, "-m", "proserve.dispatcher", "--config", str(conf),
-               "--keys", str(self.keys), "--record-requests", str(self.records), "--wait-ready", "60"]
-        t0 = time.monotonic()
-        p = Proc("dispatcher", cmd, self.out / "dispatcher.log")
-        self.procs.append(p)
-        self.disp_url = f"http://{h['disp']}:{self.http_port['disp']}"
-        log(f"starting the dispatcher in {self.net.ns('disp')} on {self.disp_url}")
-        self.wait_healthy(p, self.disp_url, 120)
-        # every instance in service, as the dispatcher sees them
-        deadline = time.monotonic() + 60
-        while True:
-            code, body = self.curl(self.disp_url + "/health", timeout=5)
-            try:
-                inst = json.loads(body).get("instances", [])
-            except (ValueError, AttributeError):
-                inst = []
-            healthy = [i for i in inst if i.get("healthy") is True]
-            if code == 200 and len(inst) == 3 and len(healthy) == 3:
-                break
-            if time.monotonic() > deadline:
-                raise Failed(f"the dispatcher does not see 3 healthy instances after 60 s: {body[:2000]}")
-            time.sleep(0.5)
-        self.info["dispatcher_instances"] = inst
-        self.timings["start disp"] = round(time.monotonic() - t0, 1)
-        log("dispatcher healthy, all 3 instances in service")
+            conf = self.out / "hosts" / role / "cluster.toml"
+            conf.write_text(cfg)
+            records = self.out / ("dispatcher-requests.jsonl" if role == "disp" else f"{role}-requests.jsonl")
+            cmd = [*self.net.exec(role), self.py, "-m", "proserve.dispatcher", "--config", str(conf),
+                   "--keys", str(self.keys), "--record-requests", str(records), "--wait-ready", "60"]
+            if self.admin_key:
+                cmd += ["--admin-key-file", str(sec / "admin.key")]
+            t0 = time.monotonic()
+            name = "dispatcher" if role == "disp" else f"dispatcher {role}"
+            p = Proc(name, cmd, self.out / ("dispatcher.log" if role == "disp" else f"{role}.log"))
+            self.procs.append(p)
+            url = f"http://{h[role]}:{self.http_port['disp']}"
+            self.disp_urls.append(url)
+            self.records_of[url] = records
+            log(f"starting {name} in {self.net.ns(role)} on {url}")
+            self.wait_healthy(p, url, 120)
+            # every instance in service, as the dispatcher sees them
+            deadline = time.monotonic() + 60
+            while True:
+                code, body = self.curl(url + "/health", timeout=5)
+                try:
+                    inst = json.loads(body).get("instances", [])
+                except (ValueError, AttributeError):
+                    inst = []
+                healthy = [i for i in inst if i.get("healthy") is True]
+                if code == 200 and len(inst) == 3 and len(healthy) == 3:
+                    break
+                if time.monotonic() > deadline:
+                    raise Failed(f"{name} does not see 3 healthy instances after 60 s: {body[:2000]}")
+                time.sleep(0.5)
+            self.info.setdefault("dispatcher_instances", {})[role] = inst
+            self.timings[f"start {role}"] = round(time.monotonic() - t0, 1)
+            log(f"{name} healthy, all 3 instances in service")
+        self.disp_url = self.disp_urls[0]
+        self.records = self.records_of[self.disp_url]
 
     # workload and checks ----------------------------------------------------------------------
     def workload(self) -> None:
-        lg = self.out / "loadgen"
-        cmd = [*self.net.exec("cli"), self.py, "-m", "proserve.bench.loadgen", "--url", self.disp_url,
-               "--api", "proserve", "--keys", str(self.keys), "--num-requests", str(self.a.requests),
-               "--rate", str(self.a.rate), "--prompt-div", "4", "--output-div", "8", "--max-prompt", "512",
-               "--stream-fraction", "0.5", "--seed", "15", "--out", str(lg), "--quiet", "--no-plots",
-               "--timeout", "300"]
-        log(f"replaying {self.a.requests} priority-tagged requests (Azure trace at {self.a.rate} req/s, "
-            f"two classes, half streamed) from {self.net.ns('cli')} through {self.disp_url}")
+        n, k = self.a.requests, len(self.disp_urls)
+        shares = [n // k + (1 if i < n % k else 0) for i in range(k)]   # the replay split over the dispatchers
+        procs, outs = [], []
+        log(f"replaying {n} priority-tagged requests (Azure trace at {self.a.rate} req/s, two classes, half "
+            f"streamed) from {self.net.ns('cli')} through {', '.join(self.disp_urls)}")
         t0 = time.monotonic()
+        deadline = t0 + self.a.workload_timeout
         try:
-            p = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True,
-                               timeout=self.a.workload_timeout)
-        except subprocess.TimeoutExpired:
-            raise Failed(f"the load generator did not finish in {self.a.workload_timeout:g} s")
+            for i, (url, m) in enumerate(zip(self.disp_urls, shares)):
+                lg = self.out / ("loadgen" if i == 0 else f"loadgen{i + 1}")
+                cmd = [*self.net.exec("cli"), self.py, "-m", "proserve.bench.loadgen", "--url", url,
+                       "--api", "proserve", "--keys", str(self.keys), "--num-requests", str(m),
+                       "--rate", str(self.a.rate * m / n), "--prompt-div", "4", "--output-div", "8",
+                       "--max-prompt", "512", "--stream-fraction", "0.5", "--seed", str(15 + i), "--out", str(lg),
+                       "--quiet", "--no-plots", "--timeout", "300"]
+                # its output to files (nothing to drain while the membership steps run beside it)
+                sfx = "" if i == 0 else str(i + 1)
+                with open(self.out / f"loadgen{sfx}.log", "w") as err, open(self.out / f"loadgen{sfx}.out", "w") as o:
+                    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=err, text=True))
+                outs.append((lg, self.out / f"loadgen{sfx}.out"))
+            if self.a.membership:
+                self.membership_scenario(lambda: all(p.poll() is not None for p in procs), deadline)
+            for p in procs:
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise Failed(f"the load generator did not finish in {self.a.workload_timeout:g} s")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         self.mark("workload", t0)
-        (self.out / "loadgen.log").write_text(p.stdout + p.stderr)
-        self.info["loadgen_rc"] = p.returncode
-        self.info["loadgen_table"] = p.stdout.strip().splitlines()[-12:]
+        rc = max(p.returncode for p in procs)
+        self.info["loadgen_rc"] = rc
+        self.info["loadgen_table"] = []
         recs = []
-        if (lg / "requests.jsonl").is_file():
-            recs = [json.loads(line) for line in (lg / "requests.jsonl").read_text().splitlines() if line.strip()]
+        for lg, out in outs:
+            self.info["loadgen_table"] += out.read_text(errors="replace").strip().splitlines()[-12:]
+            if (lg / "requests.jsonl").is_file():
+                recs += [json.loads(line) for line in (lg / "requests.jsonl").read_text().splitlines()
+                         if line.strip()]
         bad = [{"id": r["id"], "status": r.get("status"), "tokens": r.get("tokens"),
                 "expected": r.get("expected_tokens"), "error": r.get("error")}
                for r in recs if r.get("status") != 200 or r.get("error") is not None
@@ -504,22 +610,169 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
         classes: dict[str, int] = {}
         for r in recs:
             classes[r["priority"]] = classes.get(r["priority"], 0) + 1
-        drecs = []
-        if self.records.is_file():
-            drecs = [json.loads(line) for line in self.records.read_text().splitlines() if line.strip()]
+        drecs, per_disp = [], {}
+        for url, path in self.records_of.items():
+            got = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+                if path.is_file() else []
+            per_disp[url] = len(got)
+            drecs += got
+        self.info["records_per_dispatcher"] = per_disp
         routed: dict[str, int] = {}
         for r in drecs:
             routed[r.get("prefill") or "?"] = routed.get(r.get("prefill") or "?", 0) + 1
         dbad = [r.get("id") for r in drecs if r.get("outcome") != "ok"]
         self.n_requests = len(recs)
         self.routed = routed
-        ok = (len(recs) == self.a.requests and not bad and p.returncode == 0 and set(classes) == {"high", "low"}
-              and len(drecs) == self.a.requests and not dbad)
+        ok = (len(recs) == self.a.requests and not bad and rc == 0 and set(classes) == {"high", "low"}
+              and len(drecs) == self.a.requests and not dbad and all(per_disp.values()))
         self.checks["requests"] = {
             "ok": ok, "sent": self.a.requests, "answered": len(recs), "bad": bad[:10], "by_class": classes,
-            "tokens": sum(r.get("tokens") or 0 for r in recs), "loadgen_rc": p.returncode,
+            "tokens": sum(r.get("tokens") or 0 for r in recs), "loadgen_rc": rc,
             "dispatcher_records": len(drecs), "dispatcher_not_ok": dbad[:10], "prefill_routed": routed,
             "streamed": sum(1 for r in recs if r.get("stream"))}
+        if self.a.membership:
+            self.membership_check()
+
+    # membership (issue 15): a decode worker added, a prefill worker drained and removed mid-run ----
+    def admin(self, method: str, path: str, body: dict | None = None, url: str | None = None) -> tuple[int, object]:
+        extra = ["-X", method, "-H", f"Authorization: Bearer {self.admin_key}"]
+        if body is not None:
+            extra += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+        code, text = self.curl((url or self.disp_url) + path, *extra, timeout=15)
+        try:
+            return code, json.loads(text)
+        except ValueError:
+            return code, text
+
+    def workers(self, url: str | None = None) -> list[dict]:
+        code, data = self.admin("GET", "/admin/workers", url=url)
+        if code != 200 or not isinstance(data, dict):
+            raise Failed(f"GET /admin/workers: HTTP {code}: {str(data)[:500]}")
+        return data.get("data", [])
+
+    def routed(self) -> dict[str, float]:
+        """Prefill routing decisions per worker name, summed over the dispatchers (each counter
+        at the most it has shown: a removed worker's series leave the dispatcher's page)."""
+        seen = self.__dict__.setdefault("_routed_seen", {})
+        for url in self.disp_urls:
+            code, body = self.curl(url + "/metrics", timeout=10)
+            for k, v in (parse_metrics(body) if code == 200 else {}).items():
+                if k.startswith("proserve:dispatcher_routed_total{") and 'role="prefill"' in k:
+                    name = k.split('instance="', 1)[1].split('"', 1)[0] if 'instance="' in k else "?"
+                    seen[url, name] = max(seen.get((url, name), 0.0), v)
+        out: dict[str, float] = {}
+        for (_, name), v in seen.items():
+            out[name] = out.get(name, 0.0) + v
+        return out
+
+    def membership_scenario(self, finished, deadline: float) -> None:
+        """While the load generator runs, through the admin API of every dispatcher: add decode
+        worker d1 once a fifth of the requests are routed; once a third are, drain the prefill
+        worker that took most of them and drain d0 (the new decode worker replaces it for a
+        while, so that d1 surely serves requests: with both idle the decode pick's tie goes to
+        d0); remove the drained prefill worker once it holds no request; resume d0 once two
+        thirds are routed and a third more since its drain."""
+        h, n = self.net.hosts, self.a.requests
+        res = self.membership = {"steps": []}
+
+        def step(what: str, code: int, ok: bool) -> None:
+            res["steps"].append({"what": what, "status": code, "ok": ok,
+                                 "at": round(time.monotonic() - self.t0, 1)})
+            log(f"membership: {what}: HTTP {code}")
+
+        def wait_routed(k: int, why: str) -> dict[str, float]:
+            while True:
+                r = self.routed()
+                if sum(r.values()) >= k:
+                    return r
+                if finished() or time.monotonic() > deadline:
+                    raise Failed(f"membership: the workload ended (or timed out) before {k} requests were "
+                                 f"routed, {why}")
+                time.sleep(0.25)
+
+        def on_all(what: str, method: str, path: str, want: int, body: dict | None = None) -> dict:
+            """The call at every dispatcher; per dispatcher [sent, answered] (time.time())."""
+            at = {}
+            for url in self.disp_urls:
+                t = time.time()
+                code, data = self.admin(method, path, body, url=url)
+                at[url] = [t, time.time()]
+                ok = code == want
+                step(f"{what} ({url})", code, ok)
+                if not ok:
+                    raise Failed(f"membership: {what} at {url}: HTTP {code}: {str(data)[:500]}")
+            return at
+
+        wait_routed(max(1, n // 5), "to add the decode worker")
+        res["added_at"] = on_all("add decode worker d1", "POST", "/admin/workers", 201, {
+            "role": "decode", "name": "d1", "url": f"http://{h['d1']}:{self.http_port['d1']}",
+            "kv_addr": f"tcp://{h['d1']}:{self.kv_port}"})
+        routed = wait_routed(max(2, n // 3), "to drain a prefill worker")
+        names = {w.get("url"): w.get("name") for w in self.workers()}
+        prefill_names = [names[f"http://{h[r]}:{self.http_port[r]}"] for r in self.prefills]
+        name = max(prefill_names, key=lambda x: routed.get(x, 0.0))   # the busiest: its drain matters
+        res["drained"], res["routed_before_drain"] = name, routed
+        # from here on, requests that reach a dispatcher never go to `name`, nor decode on d0
+        res["drained_at"] = on_all(f"drain {name}", "POST", f"/admin/workers/{name}/drain", 200)
+        res["d0_drained_at"] = on_all("drain d0", "POST", "/admin/workers/d0/drain", 200)
+        routed_d0 = self.routed()
+        res["state_after_drain"] = sorted({w.get("state") for url in self.disp_urls
+                                           for w in self.workers(url) if w.get("name") == name})
+        # remove it once its requests have ended (the safe sequence: drain, wait for 0, delete)
+        held = []
+        for url in self.disp_urls:
+            while True:
+                w = next((w for w in self.workers(url) if w.get("name") == name), {})
+                held.append(w.get("requests"))
+                if w.get("requests") == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise Failed(f"membership: {name} still holds requests at the workload's deadline: {w}")
+                time.sleep(0.25)
+            code, data = self.admin("DELETE", f"/admin/workers/{name}", url=url)
+            step(f"remove {name} ({url})", code, code == 200)
+            if code != 200:
+                raise Failed(f"membership: DELETE {name} at {url}: HTTP {code}: {str(data)[:500]}")
+        res["requests_on_drained_seen"] = sorted({x for x in held if x is not None})
+        res["listed_after_delete"] = sorted({w.get("name") for url in self.disp_urls for w in self.workers(url)})
+        # resume d0 once enough requests went by while it was drained (a third of them, at least
+        # two thirds routed in all), so that the check below has requests to look at
+        wait_routed(min(n, max(3, 2 * n // 3, int(sum(routed_d0.values())) + n // 3 + 2)), "to resume d0")
+        res["d0_resumed_at"] = on_all("resume d0", "POST", "/admin/workers/d0/resume", 200)
+
+    def membership_check(self) -> None:
+        """Each dispatcher's records against the times it answered the admin calls: after its
+        drain no request went to the drained prefill worker, between its drain and resume of d0
+        none decoded on d0 (a request that arrived in the last second before the resume may be
+        routed after it, so it does not count)."""
+        res = self.membership
+        name = res.get("drained")
+        after, window, drecs = [], [], []
+        for url, path in self.records_of.items():
+            recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+                if path.is_file() else []
+            drecs += recs
+            t_drain = res.get("drained_at", {}).get(url, [None, None])[1]
+            t_d0 = res.get("d0_drained_at", {}).get(url, [None, None])[1]
+            t_resume = res.get("d0_resumed_at", {}).get(url, [None, None])[0]
+            after += [r for r in recs if t_drain is not None and r.get("arrival", 0) > t_drain]
+            window += [r for r in recs if t_d0 and t_resume and t_d0 < r.get("arrival", 0) < t_resume - 1]
+        to_drained = [r.get("id") for r in after if r.get("prefill") == name]
+        on_d0_drained = [r.get("id") for r in window if r.get("decode") == "d0"]
+        on_added = [r for r in drecs if r.get("decode") == "d1"]
+        res.update({
+            "requests_after_drain": len(after), "routed_to_drained_after_drain": to_drained[:10],
+            "routed_to_drained_before_drain": sum(1 for r in drecs if r.get("prefill") == name) - len(to_drained),
+            "decode_on_added": len(on_added), "requests_while_d0_drained": len(window),
+            "decode_on_d0_while_drained": on_d0_drained[:10],
+            "prefill_routed_after_drain": {k: sum(1 for r in after if r.get("prefill") == k)
+                                           for k in sorted({r.get("prefill") for r in after if r.get("prefill")})},
+            "decode_routed": {k: sum(1 for r in drecs if r.get("decode") == k)
+                              for k in sorted({r.get("decode") for r in drecs if r.get("decode")})}})
+        res["ok"] = (all(s["ok"] for s in res["steps"]) and res.get("state_after_drain") == ["draining"]
+                     and name not in res.get("listed_after_delete", [name]) and len(after) > 0 and not to_drained
+                     and not on_d0_drained and len(on_added) > 0 and self.checks["requests"]["ok"])
+        self.checks["membership"] = res
 
     def kv_check(self) -> None:
         h = self.net.hosts
@@ -533,19 +786,24 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
         # counters of the engine processes reach /metrics through files: allow them a moment
         deadline = time.monotonic() + 30
         while True:
-            m = {r: scrape(r) for r in ("p0", "p1", "d0")}
-            sent = {r: metric_sum(m[r], "proserve:kv_sent_bytes_total") for r in ("p0", "p1")}
-            received = metric_sum(m["d0"], "proserve:kv_received_bytes_total")
-            transfers = metric_sum(m["d0"], "proserve:kv_received_transfers_total")
+            m = {r: scrape(r) for r in (*self.prefills, *self.decodes)}
+            sent = {r: metric_sum(m[r], "proserve:kv_sent_bytes_total") for r in self.prefills}
+            recv = {r: metric_sum(m[r], "proserve:kv_received_bytes_total") for r in self.decodes}
+            received = sum(recv.values())
+            transfers = sum(metric_sum(m[r], "proserve:kv_received_transfers_total") for r in self.decodes)
             if (sum(sent.values()) == received and transfers >= self.n_requests) or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        send_fail = {r: metric_sum(m[r], "proserve:kv_send_failures_total") for r in ("p0", "p1")}
-        load_fail = metric_sum(m["d0"], "proserve:kv_load_failures_total")
+        send_fail = {r: metric_sum(m[r], "proserve:kv_send_failures_total") for r in self.prefills}
+        load_fail = sum(metric_sum(m[r], "proserve:kv_load_failures_total") for r in self.decodes)
         total = sum(sent.values())
-        # the decode engine computed (almost) no prompt itself: vLLM may compute a prompt's last token
-        by_source = {k.split('source="', 1)[1].split('"', 1)[0]: v for k, v in m["d0"].items()
-                     if k.startswith("vllm:prompt_tokens_by_source_total") and 'source="' in k}
+        # the decode engines computed (almost) no prompt themselves: vLLM may compute a prompt's last token
+        by_source: dict[str, float] = {}
+        for r in self.decodes:
+            for k, v in m[r].items():
+                if k.startswith("vllm:prompt_tokens_by_source_total") and 'source="' in k:
+                    src = k.split('source="', 1)[1].split('"', 1)[0]
+                    by_source[src] = by_source.get(src, 0.0) + v
         local = by_source.get("local_compute", 0.0)
         self.checks["kv_bytes"] = {
             "ok": total == received and received > 0 and transfers == self.n_requests
@@ -554,35 +812,64 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
             "decode_prompt_tokens_by_source": {k: int(v) for k, v in by_source.items()},
             "sent_by_prefill": {r: int(v) for r, v in sent.items()}, "sent_total": int(total),
             "received_by_decode": int(received), "received_transfers": int(transfers),
+            "received_by_decode_worker": {r: int(v) for r, v in recv.items()},
             "requests": self.n_requests, "send_failures": send_fail, "load_failures": load_fail}
         # the wire: per-connection TCP byte counters on the decode host's KV port
-        p = sh([*self.net.exec("d0"), "ss", "-H", "-tni", "state", "established", f"( sport = :{self.kv_port} )"],
-               check=False)
         peers: dict[str, int] = {}
-        lines = p.stdout.splitlines()
-        for i, line in enumerate(lines):
-            f = line.split()
-            local = next((j for j, x in enumerate(f) if x.endswith(f":{self.kv_port}")), None)
-            if local is not None and local + 1 < len(f):
-                peer = f[local + 1].rpartition(":")[0].strip("[]")
-                info = lines[i + 1] if i + 1 < len(lines) else ""
-                rcv = next((int(t.split(":")[1]) for t in info.split() if t.startswith("bytes_received:")), 0)
-                peers[peer] = peers.get(peer, 0) + rcv
-        prefill_addrs = {h["p0"], h["p1"]}
-        used = {h[r] for r in ("p0", "p1") if sent[r] > 0}
+        for role in self.decodes:
+            p = sh([*self.net.exec(role), "ss", "-H", "-tni", "state", "established",
+                    f"( sport = :{self.kv_port} )"], check=False)
+            lines = p.stdout.splitlines()
+            for i, line in enumerate(lines):
+                f = line.split()
+                local = next((j for j, x in enumerate(f) if x.endswith(f":{self.kv_port}")), None)
+                if local is not None and local + 1 < len(f):
+                    peer = f[local + 1].rpartition(":")[0].strip("[]")
+                    info = lines[i + 1] if i + 1 < len(lines) else ""
+                    rcv = next((int(t.split(":")[1]) for t in info.split() if t.startswith("bytes_received:")), 0)
+                    peers[peer] = peers.get(peer, 0) + rcv
+        prefill_addrs = {h[r] for r in self.prefills}
+        used = {h[r] for r in self.prefills if sent[r] > 0}
         wire = sum(v for k, v in peers.items() if k in prefill_addrs)
         self.checks["kv_tcp"] = {
             "ok": bool(peers) and set(peers) <= prefill_addrs and used <= set(peers) and wire >= received,
             "bytes_received_from": peers, "wire_total": wire, "payload_total": int(received),
             "note": "wire bytes include CURVE framing and the transfers' headers and acks"}
 
+    def dispatchers_check(self) -> None:
+        """--dispatchers 2: each dispatcher served its share, received its workers' queue
+        publications (CURVE), none malformed, and saw in them requests the other one sent."""
+        per, ok = {}, True
+        for url in self.disp_urls:
+            code, body = self.curl(url + "/metrics", timeout=10)
+            m = parse_metrics(body) if code == 200 else {}
+
+            def by(name: str, result: str | None = None, m: dict = m) -> float:
+                return sum(v for k, v in m.items() if k.split("{")[0] == name
+                           and (result is None or f'result="{result}"' in k))
+            d = {"records": self.info.get("records_per_dispatcher", {}).get(url, 0),
+                 "publications_ok": int(by("proserve:dispatcher_publications_total", "ok")),
+                 "publications_malformed": int(by("proserve:dispatcher_publications_total", "malformed")),
+                 "publications_stale": int(by("proserve:dispatcher_publications_total", "stale")),
+                 "foreign_requests_seen": int(by("proserve:dispatcher_publication_foreign_requests_total"))}
+            ok &= (code == 200 and d["records"] > 0 and d["publications_ok"] > 0 and d["publications_malformed"] == 0
+                   and d["foreign_requests_seen"] > 0)
+            per[url] = d
+        self.checks["dispatchers"] = {"ok": ok, "per_dispatcher": per,
+                                      "publication_interval_s": PUBLISH_INTERVAL_S}
+
     def listeners_check(self) -> None:
         h = self.net.hosts
-        intended = {"disp": {("tcp", h["disp"], self.http_port["disp"])},
-                    "p0": {("tcp", h["p0"], self.http_port["p0"])},
+        intended = {"p0": {("tcp", h["p0"], self.http_port["p0"])},
                     "p1": {("tcp", h["p1"], self.http_port["p1"])},
-                    "d0": {("tcp", h["d0"], self.http_port["d0"]), ("tcp", h["d0"], self.kv_port)},
                     "cli": set(), "sw": set()}
+        for r in self.disps:
+            intended[r] = {("tcp", h[r], self.http_port["disp"])}
+        if self.publish:   # the queue publications, on the prefill hosts' addresses
+            for r in self.prefills:
+                intended[r].add(("tcp", h[r], self.publish_port))
+        for r in self.decodes:
+            intended[r] = {("tcp", h[r], self.http_port[r]), ("tcp", h[r], self.kv_port)}
         per_ns, wildcard, unexpected, missing = {}, [], [], []
         for role in intended:
             p = sh([*self.net.exec(role), "ss", "-H", "-ltunp"], check=False)
@@ -609,7 +896,7 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
         bearer = ["-H", f"Authorization: Bearer {self.worker_key}"]
         body = ["-H", "Content-Type: application/json", "-d",
                 json.dumps({"prompt": [5, 6, 7], "max_tokens": 1, "model": "x"})]
-        for role in ("p0", "p1", "d0"):
+        for role in (*self.prefills, *self.decodes):
             base = f"http://{h[role]}:{self.http_port[role]}"
             got = {
                 "GET /v1/models without key": self.curl(base + "/v1/models")[0],
@@ -731,18 +1018,28 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
             self.mark("secrets", t)
             t = time.monotonic()
             o = self.a.subnet
-            self.net.up({"disp": 10, "p0": 11, "p1": 12, "d0": 21, "cli": 30})
+            self.net.up({"disp": 10, "p0": 11, "p1": 12, "d0": 21, "cli": 30,
+                         **({"d1": 22} if self.a.membership else {}),
+                         **({"disp2": 14} if "disp2" in self.disps else {})})
             self.mark("network", t)
             log(f"namespaces {', '.join(self.net.made)} on {o}.0/24 (bridge br0 in {self.net.sw})")
             binds = self.cpu_binds()
             t = time.monotonic()
-            for role in ("d0", "p0", "p1"):   # one engine start at a time
+            for role in ("d0", "p0"):   # one engine start at a time ...
                 self.start_worker(role, sec[role], binds[role])
-            self.start_dispatcher(sec["disp"])
+            # ... but the decode worker added at run time (--membership) starts beside p1, on the
+            # other core: it is not in the dispatcher's config, the admin API adds it mid-run
+            late = self.start_worker("d1", sec["d1"], binds["d1"], wait=False) if self.a.membership else None
+            self.start_worker("p1", sec["p1"], binds["p1"])
+            if late is not None:
+                self.wait_worker("d1", late)
+            self.start_dispatcher(sec)
             self.mark("cluster up", t)
             self.workload()
             t = time.monotonic()
             self.kv_check()
+            if self.publish:
+                self.dispatchers_check()
             self.listeners_check()
             self.auth_check()
             self.curve_check()
@@ -812,6 +1109,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 "(default /tmp/<tag>)")
     ap.add_argument("--json", default=None, help="write the checks, timings and listeners as JSON here")
     ap.add_argument("--tag", default=None, help="namespace name prefix (default psmh<pid>)")
+    ap.add_argument("--membership", action="store_true",
+                    help="also a second decode worker (its own namespace) added through the dispatcher's admin "
+                         "API mid-run, the busiest prefill worker drained mid-run and removed once idle, d0 "
+                         "drained and resumed (issue 15)")
+    ap.add_argument("--dispatchers", type=int, choices=[1, 2], default=1,
+                    help="2: a second dispatcher in its own namespace with the same workers, the replay split "
+                         "over both, the prefill workers publishing their queues (CURVE) for both (issue 15)")
     ap.add_argument("--start-timeout", type=float, default=300, help="seconds each engine may take to start (300)")
     ap.add_argument("--workload-timeout", type=float, default=420, help="seconds the replay may take (420)")
     a = ap.parse_args(argv)

