@@ -65,7 +65,8 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       host = "decode.proserve.svc.cluster.local"   # interval_s; new addresses join, vanished ones are
       port = 8200                   # drained, then removed once idle. A failed or empty resolution
       kv_port = 15600               # keeps the current set. decode: kv_port (KV at tcp://ADDR:kv_port);
-      interval_s = 10.0             # prefill: local_policy, latency_model as in [[prefill]];
+      interval_s = 10.0             # prefill: local_policy, latency_model as in [[prefill]], and
+                                    # kv_events_port, publish_port (tcp://ADDR:port);
       scheme = "http"               # optional: timeout_s (resolution, default 5), name_prefix
 
   With ``admin_key_file`` set (``--admin-key-file``), the admin API adds, drains and
@@ -158,6 +159,7 @@ class DiscoverSpec:
     latency_model: str | None = None        # prefill: their latency model (default: dispatcher-wide)
     name_prefix: str = ""                   # worker names: PREFIX + address (default: "<host>-")
     kv_events_port: int | None = None       # prefill: KV-cache events at tcp://ADDR:port (--kv-events-port)
+    publish_port: int | None = None         # prefill: queue publications at tcp://ADDR:port (--publish-queue-port)
 
 
 @dataclass
@@ -371,10 +373,11 @@ def check_discover(s: DiscoverSpec, deployment: str, where: str) -> None:
             raise ConfigError(f"{where}: a decode entry needs kv_port (the workers' --kv-listen port)")
         validate.integer(where, "kv_port", s.kv_port, 1, 65535)
     check_local_policy(s.local_policy, f"{where}.local_policy")
-    if s.kv_events_port is not None:
-        if s.role != "prefill":
-            raise ConfigError(f"{where}: kv_events_port is for prefill workers")
-        validate.integer(where, "kv_events_port", s.kv_events_port, 1, 65535)
+    for k in ("kv_events_port", "publish_port"):
+        if getattr(s, k) is not None:
+            if s.role != "prefill":
+                raise ConfigError(f"{where}: {k} is for prefill workers")
+            validate.integer(where, k, getattr(s, k), 1, 65535)
     if s.latency_model is not None and (not isinstance(s.latency_model, str) or not s.latency_model):
         validate.fail(where, "latency_model", "a file path", s.latency_model)
     if not isinstance(s.name_prefix, str) or len(s.name_prefix) > 64 \
@@ -421,9 +424,13 @@ def check_publication(cfg: DispatcherConfig, where: str) -> None:
         validate.fail(where, "dispatcher.publication_keys", "a directory", cfg.publication_keys)
     for i, s in enumerate(cfg.prefill):
         if s.publish:
-            _check_side_channel(s.publish, cfg.publication_keys, cfg.publication_insecure,
-                                f"{where}: prefill[{i}].publish", "--publish-queue-port", "publication_keys",
-                                "--publish-keys", "publication_insecure", "tcp://127.0.0.1:15700")
+            check_publish(s.publish, cfg, f"{where}: prefill[{i}].publish")
+
+
+def check_publish(addr: Any, cfg: DispatcherConfig, where: str) -> str:
+    """A prefill worker's queue-publication address (issue 15)."""
+    return _check_side_channel(addr, cfg.publication_keys, cfg.publication_insecure, where, "--publish-queue-port",
+                               "publication_keys", "--publish-keys", "publication_insecure", "tcp://127.0.0.1:15700")
 
 
 def check_kv_addr(addr: Any, where: str) -> str:
@@ -468,7 +475,7 @@ _DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_clas
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}
 _TOP_KEYS = {"dispatcher", "global_params", "gain", "classes", "prefill", "decode", "discover"}
 _DISCOVER_KEYS = {"role", "host", "port", "scheme", "interval_s", "timeout_s", "kv_port", "local_policy",
-                  "latency_model", "name_prefix", "kv_events_port"}
+                  "latency_model", "name_prefix", "kv_events_port", "publish_port"}
 
 
 def _table(data: Mapping, key: str, where: str) -> dict:

@@ -161,6 +161,9 @@ class PrefillWorker(Worker):
     #: index is driven by them (proserve.dispatcher.kv_events, issue 14)
     kv_events: str = ""
     events: Any = field(default=None, repr=False)   # its kv_events.Subscriber while one runs
+    #: where it publishes its queued prefill work (its --publish-queue-port), "" for none: the
+    #: dispatcher then reads it (proserve.dispatcher.publication, issue 15)
+    publish: str = ""
 
     @property
     def beta(self) -> float:
@@ -267,7 +270,7 @@ class Registry:
         self._owner = owner          # has .http, the dispatcher's aiohttp session
         self.prefill: list[PrefillWorker] = []
         for i, s in enumerate(cfg.prefill):
-            w = PrefillWorker("prefill", s.name, s.url.rstrip("/"), kv_events=s.kv_events)
+            w = PrefillWorker("prefill", s.name, s.url.rstrip("/"), kv_events=s.kv_events, publish=s.publish)
             w.state = PrefillInstance(i, _estimator(s), order=router_order(s.local_policy))
             w.state.healthy = False
             self.prefill.append(w)
@@ -488,14 +491,16 @@ class Registry:
         return next((w for w in self.workers if w.name == name), None)
 
     def add(self, role: str, name: str, url: str, *, kv_addr: str = "", local_policy: str = "slide_batching",
-            latency_model: str | None = None, source: str = "admin", kv_events: str = "") -> Worker:
+            latency_model: str | None = None, source: str = "admin", kv_events: str = "",
+            publish: str = "") -> Worker:
         """A new worker (the caller checked its fields and that its name and URL are
         free): out of the candidate set until its first check passes; that check starts
         now when the event loop runs (the health loop's timer would start it too)."""
         rid = self._next_id[role]
         self._next_id[role] += 1
         if role == "prefill":
-            w = PrefillWorker("prefill", name, url.rstrip("/"), source=source, kv_events=kv_events)
+            w = PrefillWorker("prefill", name, url.rstrip("/"), source=source, kv_events=kv_events,
+                              publish=publish)
             spec = PrefillSpec(url, latency_model or self.cfg.latency_model, name, local_policy)
             w.state = PrefillInstance(rid, _estimator(spec), order=router_order(local_policy))
             w.state.healthy = False

@@ -19,8 +19,10 @@ Two ways in:
   "kv_addr": "tcp://10.0.0.7:15600" (decode only, required), "local_policy":
   "slide_batching" (prefill only, optional), "name": "p7" (optional; default the next
   ``p<id>`` / ``d<id>``), "kv_events": "tcp://10.0.0.7:5557" (prefill only, optional: where it
-  publishes its KV-cache events, :mod:`proserve.dispatcher.kv_events`)}``. A bad field is a 400; a name, URL or KV address already in
-  use is a 409. A worker added is checked at once and takes requests once healthy.
+  publishes its KV-cache events, :mod:`proserve.dispatcher.kv_events`), "publish":
+  "tcp://10.0.0.7:15700" (prefill only, optional: where it publishes its queue,
+  :mod:`proserve.dispatcher.publication`)}``. A bad field is a 400; a name, URL, KV,
+  KV-event or publication address already in use is a 409. A worker added is checked at once and takes requests once healthy.
 
   A worker's ``state``: ``healthy`` (takes requests), ``down`` (failed its checks),
   ``draining`` (takes no new requests; ``requests`` counts the ones still on it: they
@@ -69,7 +71,15 @@ from proserve.scheduler.request import ConfigError
 from proserve.scheduler.routing.base import PrefillQueueMap
 
 from .auth import bearer_key
-from .config import WORKER_NAME_RE, DiscoverSpec, check_kv_addr, check_kv_events, check_local_policy, check_url
+from .config import (
+    WORKER_NAME_RE,
+    DiscoverSpec,
+    check_kv_addr,
+    check_kv_events,
+    check_local_policy,
+    check_publish,
+    check_url,
+)
 from .errors import ApiError
 from .instances import PrefillWorker, Worker
 
@@ -79,7 +89,7 @@ logger = logging.getLogger("proserve.dispatcher")
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 #: a name resolving to more addresses than this is a bad answer (kept out, as a failure)
 MAX_DISCOVERED = 1024
-_ADD_FIELDS = {"role", "url", "name", "kv_addr", "local_policy", "kv_events"}
+_ADD_FIELDS = {"role", "url", "name", "kv_addr", "local_policy", "kv_events", "publish"}
 _MAX_URL = 2048
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -145,7 +155,7 @@ class Membership:
         except ConfigError as e:
             raise ApiError(400, str(e), param="url") from None
         url = url.rstrip("/")
-        kv_addr, local_policy, kv_events = "", "slide_batching", ""
+        kv_addr, local_policy, kv_events, publish = "", "slide_batching", "", ""
         if role == "decode":
             if "local_policy" in body:
                 raise ApiError(400, "local_policy is for prefill workers", param="local_policy")
@@ -168,8 +178,14 @@ class Membership:
                     kv_events = check_kv_events(body["kv_events"], self.d.cfg, "kv_events")
                 except ConfigError as e:
                     raise ApiError(400, str(e), param="kv_events") from None
-        if role == "decode" and "kv_events" in body:
-            raise ApiError(400, "kv_events is for prefill workers", param="kv_events")
+            if body.get("publish") is not None:      # its queue publications (issue 15)
+                try:
+                    publish = check_publish(body["publish"], self.d.cfg, "publish")
+                except ConfigError as e:
+                    raise ApiError(400, str(e), param="publish") from None
+        for k in ("kv_events", "publish"):
+            if role == "decode" and k in body:
+                raise ApiError(400, f"{k} is for prefill workers", param=k)
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not WORKER_NAME_RE.fullmatch(name)):
             raise ApiError(400, f"name must be 1-128 letters, digits and . _ : @ [ ] - (starting with a letter "
@@ -188,10 +204,15 @@ class Membership:
         if clash is not None:      # its index would be driven by another engine's cache
             raise ApiError(409, f"{kv_events} is already the KV-event address of worker {clash.name!r}",
                            type="conflict", param="kv_events")
+        clash = next((w for w in everyone if getattr(w, "publish", None) == publish and publish), None)
+        if clash is not None:      # its view would be another engine's queue
+            raise ApiError(409, f"{publish} is already the queue-publication address of worker {clash.name!r}",
+                           type="conflict", param="publish")
         if name is None:
             name = self._free_name(role)
         w = self.registry.add(role, name, url, kv_addr=kv_addr, local_policy=local_policy,
-                              latency_model=self._latency_model(source), source=source, kv_events=kv_events)
+                              latency_model=self._latency_model(source), source=source, kv_events=kv_events,
+                              publish=publish)
         if isinstance(w, PrefillWorker):
             self._rebuild_queue_map()
         self.d.metrics.membership.labels(role, "added", source.partition(":")[0]).inc()
@@ -341,6 +362,8 @@ class Membership:
                     body["local_policy"] = spec.local_policy
                     if spec.kv_events_port is not None:
                         body["kv_events"] = f"tcp://{_host_part(a)}:{spec.kv_events_port}"
+                    if spec.publish_port is not None:
+                        body["publish"] = f"tcp://{_host_part(a)}:{spec.publish_port}"
                 try:
                     self.add(body, source=source)
                     self._refused.discard(url)

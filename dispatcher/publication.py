@@ -34,8 +34,10 @@ until the next good publication. With ``publication_keys`` the socket is a CURVE
 checks the worker's server key (the worker's ``--publish-keys`` admits this dispatcher's
 client key); a non-loopback address without keys needs ``publication_insecure = true``.
 
-Workers added at run time (admin API, discovery) publish nothing to this dispatcher: only
-``[[prefill]]`` entries of the config (and ``--prefill``) name a publication address.
+A worker's address comes from its ``[[prefill]]`` entry (or ``--prefill``), the admin API's add
+body (``"publish"``) or a ``[[discover]]`` entry's ``publish_port``; the supervisor
+(:meth:`Publications.tick`, every interval) subscribes to every current worker that has one
+and drops those of workers removed.
 """
 
 from __future__ import annotations
@@ -230,11 +232,10 @@ class Publications:
     def __init__(self, dispatcher):
         self.d = dispatcher
         cfg = dispatcher.cfg
-        self.addrs = {s.url.rstrip("/"): s.publish for s in cfg.prefill if getattr(s, "publish", "")}
         self.interval_s = float(cfg.publication_interval_s)
         self.stale_after_s = self.interval_s * cfg.publication_stale_intervals
         self.keys = None
-        if cfg.publication_keys and self.addrs:
+        if cfg.publication_keys:
             from proserve.kvtransfer.auth import ClientKeys, KeysError
             from proserve.scheduler.request import ConfigError
             try:
@@ -248,8 +249,6 @@ class Publications:
 
     def dispatched(self, rid: str) -> None:
         """This dispatcher sent request ``rid`` to a prefill worker (remembered, bounded)."""
-        if not self.addrs:
-            return
         self.own[rid] = None
         self.own.move_to_end(rid)
         if len(self.own) > MAX_OWN_IDS:
@@ -262,7 +261,7 @@ class Publications:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        if self.addrs and self._task is None:
+        if self._task is None:   # workers with an address may also join later (admin API, discovery)
             self.tick(time.time())
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="publications")
 
@@ -279,7 +278,7 @@ class Publications:
         a worker silent for too long falls back to this dispatcher's own view."""
         current = {}
         for w in self.d.registry.prefill:
-            addr = self.addrs.get(w.url.rstrip("/"))
+            addr = w.publish
             if addr and not w.removed:
                 current[w.name] = (w, addr)
         for name in list(self.subs):

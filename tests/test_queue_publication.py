@@ -27,7 +27,7 @@ from proserve.scheduler import Estimator
 from proserve.scheduler.config import default_classes
 from proserve.scheduler.host import RouterHost
 from proserve.scheduler.registry import make_global
-from proserve.scheduler.request import Request
+from proserve.scheduler.request import ConfigError, Request
 from proserve.scheduler.routing.base import COLOCATED, DISAGGREGATED, PrefillInstance
 
 CLASSES = default_classes()
@@ -255,8 +255,8 @@ def test_decode_fuzzed_frames_raise_only_bad_publication():
 def make_dispatcher(deployment: str = DISAGGREGATED, n: int = 2):
     policy = make_global("go_routing", classes=CLASSES, deployment=deployment)
     states = [PrefillInstance(i, Estimator(load(BUNDLED))) for i in range(n)]
-    workers = [SimpleNamespace(name=f"p{i}", url=f"http://127.0.0.1:{8100 + i}", state=s, removed=False)
-               for i, s in enumerate(states)]
+    workers = [SimpleNamespace(name=f"p{i}", url=f"http://127.0.0.1:{8100 + i}", state=s, removed=False,
+                               publish=f"tcp://127.0.0.1:{1 + i}") for i, s in enumerate(states)]
     rh = RouterHost(policy, states)
     cfg = SimpleNamespace(classes=CLASSES, prefill=[SimpleNamespace(url=w.url, publish=f"tcp://127.0.0.1:{1 + i}")
                                                     for i, w in enumerate(workers)],
@@ -344,7 +344,7 @@ def test_subscriptions_over_zmq_survive_junk_and_fall_back_when_silent():
     async def go():
         d = make_dispatcher(n=1)
         port = free_port()
-        d.cfg.prefill[0].publish = f"tcp://127.0.0.1:{port}"
+        d.registry.prefill[0].publish = f"tcp://127.0.0.1:{port}"
         ctx = zmq.Context()
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
@@ -408,3 +408,36 @@ def test_dispatcher_config_takes_the_publication_keys(tmp_path):
                                       "--deployment", "colocated", "--publication-interval", "0.3"])
     c = config_from_args(args)
     assert c.prefill[0].publish == "tcp://127.0.0.1:15700" and c.publication_interval_s == 0.3
+
+
+def test_workers_added_at_run_time_publish_too():
+    """A prefill worker added through the admin API with a ``publish`` address (or found by a
+    ``[[discover]]`` entry with ``publish_port``) is subscribed to by the next tick; the same
+    address twice is a 409, a decode worker's is a 400, and a removed worker's subscription goes."""
+    from dispatcher_helpers import harness
+
+    from proserve.dispatcher.config import DiscoverSpec, check_discover
+    from proserve.dispatcher.errors import ApiError
+
+    async def go():
+        async with harness(n_prefill=1, colocated=True, keys=None) as h:
+            m, hub = h.d.membership, h.d.publications
+            w = m.add({"role": "prefill", "url": "http://127.0.0.1:1", "publish": "tcp://127.0.0.1:15799"})
+            assert w.publish == "tcp://127.0.0.1:15799"
+            hub.tick(time.time())
+            assert w.name in hub.subs and hub.subs[w.name].endpoint == "tcp://127.0.0.1:15799"
+            assert h.d.registry.prefill[0].name not in hub.subs          # configured without one
+            with pytest.raises(ApiError) as e:
+                m.add({"role": "prefill", "url": "http://127.0.0.1:2", "publish": "tcp://127.0.0.1:15799"})
+            assert e.value.status == 409
+            with pytest.raises(ApiError) as e:
+                m.add({"role": "prefill", "url": "http://127.0.0.1:3", "publish": "tcp://10.9.9.9:15799"})
+            assert e.value.status == 400 and "publication_keys" in e.value.message
+            m.remove(w.name)
+            hub.tick(time.time())
+            assert w.name not in hub.subs
+    asyncio.run(go())
+    check_discover(DiscoverSpec(role="prefill", host="p.example", port=8100, publish_port=15700), "colocated", "d")
+    with pytest.raises(ConfigError, match="publish_port is for prefill"):
+        check_discover(DiscoverSpec(role="decode", host="d.example", port=8200, kv_port=15600, publish_port=15700),
+                       "disaggregated", "d")
