@@ -43,7 +43,14 @@ ROUTERS = (  # label, sweep arguments
 SETUPS = {  # name: sweep arguments, rates
     "colocated-8": (["--deployment", "colocated", "--instances", "8"], "1.0,1.5,2.0,2.5,3.5"),
     "colocated-32": (["--deployment", "colocated", "--instances", "32"], "4,6,8,10,14"),
+    # prefill-only instances, the decode side picked by free KV blocks (Alg. 2 line 20): not in
+    # the default set (--setups disaggregated-4p4d,disaggregated-16p16d)
+    "disaggregated-4p4d": (["--deployment", "disaggregated", "--prefill-instances", "4", "--decode-instances", "4"],
+                           "0.5,1.0,1.5,2.0,3.0"),
+    "disaggregated-16p16d": (["--deployment", "disaggregated", "--prefill-instances", "16",
+                              "--decode-instances", "16"], "2,4,6,8,12"),
 }
+DEFAULT_SETUPS = ("colocated-8", "colocated-32")
 METRICS = (("tdg_ratio", "TDG_Ratio"), ("first_token_tdg_ratio", "first-token TDG_Ratio"), ("hit", "hit rate"))
 
 
@@ -106,7 +113,8 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, default=TRACE, help="the Mooncake trace (default: %(default)s)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, of: " + ", ".join(SETUPS))
+    ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS),
+                    help="comma-separated, of: " + ", ".join(SETUPS) + " (default: %(default)s)")
     ap.add_argument("--report-only", action="store_true", help="only summarise sweeps already in --out")
     ap.add_argument("--rerun", action="store_true", help="run sweeps whose JSON is already in --out again")
     args = ap.parse_args()
