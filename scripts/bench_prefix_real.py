@@ -23,7 +23,10 @@ Routers (``--routers``, comma-separated, default ``prefix-go,paper-go,round-robi
 * ``round-robin``: ``--global-policy round_robin`` (the dispatcher's default index
   left on: round-robin does not read it);
 * ``llmd``: ``--global-policy llmd_scorers`` with the index (llm-d-style weighted
-  prefix + queue + KV scorers), optional.
+  prefix + queue + KV scorers), optional;
+* ``prefix-go-events``: ``prefix-go`` with the index driven by the engines' own KV-cache
+  events (each worker ``--kv-events-port``, its ``--prefill`` entry ``kv_events=``; README
+  "Precise index from vLLM's KV-cache events"), optional.
 
 Cold cache: every router run starts its two workers afresh (new engines: empty prefix
 caches, fresh counters, fresh online correction) and a fresh dispatcher (empty index).
@@ -121,7 +124,12 @@ ROUTERS = {
                     "what": "round-robin (reads no index)"},
     "llmd": {"policy": "llmd_scorers", "params": {}, "prefix_index": True,
              "what": "llm-d-style weighted scorers (prefix + queue + KV), prefix-cache index"},
+    "prefix-go-events": {"policy": "go_routing", "params": {}, "prefix_index": True, "kv_events": True,
+                         "what": "prefix-go with the index driven by the engines' KV-cache events "
+                                 "(workers --kv-events-port, dispatcher kv_events)"},
 }
+#: a worker's KV-event port: its HTTP port + this (routers with "kv_events")
+KV_EVENTS_PORT_OFFSET = 1000
 DEFAULT_ROUTERS = "prefix-go,paper-go,round-robin"
 N_WORKERS = 2
 WORKER_PORT_OFFSET = 100
@@ -258,8 +266,9 @@ def worker_cpu(i: int, ncpu: int | None = None) -> str:
     return str(lo) if per == 1 else f"{lo}-{lo + per - 1}"
 
 
-def worker_command(args, i: int, classes_file: Path, w_p: float) -> list[str]:
-    """Co-located worker i: its own core(s), prefix caching on."""
+def worker_command(args, i: int, classes_file: Path, w_p: float, kv_events: bool = False) -> list[str]:
+    """Co-located worker i: its own core(s), prefix caching on; with ``kv_events`` it publishes
+    its engine's KV-cache events on loopback (port: its HTTP port + KV_EVENTS_PORT_OFFSET)."""
     cmd = [sys.executable, "-m", "proserve.prefill", "--colocated", "--port", str(worker_port(args, i)),
            "--cpu-bind", worker_cpu(i), "--block-size", str(args.block_size),
            "--max-model-len", str(args.max_model_len), "--kv-cache-gib", f"{args.kv_cache_gib:g}",
@@ -268,6 +277,8 @@ def worker_command(args, i: int, classes_file: Path, w_p: float) -> list[str]:
     if args.model != "tiny":
         from proserve.bench.scaled_model import has_weights
         cmd += ["--model", str(args.model)] + ([] if has_weights(Path(args.model)) else ["--load-format", "dummy"])
+    if kv_events:
+        cmd += ["--kv-events-port", str(worker_port(args, i) + KV_EVENTS_PORT_OFFSET)]
     return cmd + ["--", "--enable-prefix-caching"]
 
 
@@ -276,7 +287,9 @@ def dispatcher_command(args, router: str, keys_file: Path, classes_file: Path, w
     """The dispatcher of one router: policy, its params, the prefix index on or off."""
     spec = ROUTERS[router]
     cmd = [sys.executable, "-m", "proserve.dispatcher", "--port", str(args.port), "--deployment", "colocated",
-           *[x for i in range(N_WORKERS) for x in ("--prefill", f"http://127.0.0.1:{worker_port(args, i)}")],
+           *[x for i in range(N_WORKERS) for x in ("--prefill", f"http://127.0.0.1:{worker_port(args, i)}" + (
+               f",kv_events=tcp://127.0.0.1:{worker_port(args, i) + KV_EVENTS_PORT_OFFSET}"
+               if spec.get("kv_events") else ""))],
            "--keys", str(keys_file), "--classes", str(classes_file), "--w-p", repr(w_p),
            "--latency-model", str(args.latency_model), "--global-policy", spec["policy"],
            "--wait-ready", "60"]
@@ -385,7 +398,8 @@ def run_router(router: str, run: int, reqs: list, links: list, args, classes: di
     procs = Processes()
     t0 = time.monotonic()
     try:
-        wcmds = [worker_command(args, i, files["classes"], gain.w_p) for i in range(N_WORKERS)]
+        wcmds = [worker_command(args, i, files["classes"], gain.w_p, bool(ROUTERS[router].get("kv_events")))
+                 for i in range(N_WORKERS)]
         workers = [procs.start(c, base / f"worker-{i}.log") for i, c in enumerate(wcmds)]
         for w in workers:
             w.what = f"worker {w.url}"

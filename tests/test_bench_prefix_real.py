@@ -107,6 +107,7 @@ def test_ideal_hit_rate_counts_the_previous_turns_full_blocks():
     ("paper-go", "go_routing", {"order": "deadline"}, False),
     ("round-robin", "round_robin", {}, True),
     ("llmd", "llmd_scorers", {}, True),
+    ("prefix-go-events", "go_routing", {}, True),
 ])
 def test_each_router_starts_the_dispatcher_it_names(router, policy, params, index, tmp_path):
     args = _args("--port", "9000")
@@ -124,6 +125,10 @@ def test_each_router_starts_the_dispatcher_it_names(router, policy, params, inde
     assert cfg.prefix_index is index
     assert cfg.deployment == "colocated"
     assert [p.url for p in cfg.prefill] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    events = router == "prefix-go-events"         # the index follows the engines' KV-cache events
+    assert [p.kv_events for p in cfg.prefill] == (["tcp://127.0.0.1:10100", "tcp://127.0.0.1:10101"] if events
+                                                  else ["", ""])
+    cfg.validate()
     assert cfg.port == 9000 and cfg.gain.w_p == 3.5
     make_global(cfg.global_policy, gain=cfg.gain, classes=cfg.classes, deployment=cfg.deployment,
                 seed=cfg.seed, **cfg.global_params)     # the params are the policy's own
@@ -146,6 +151,9 @@ def test_workers_are_colocated_one_per_core_with_prefix_caching_on(tmp_path, mon
         assert cmd[cmd.index("--policy-param") + 1] == "headroom=0.1"
         assert cmd[-2:] == ["--", "--enable-prefix-caching"]
         assert "--no-enable-prefix-caching" not in cmd
+    assert "--kv-events-port" not in cmds[0]
+    ev = bpr.worker_command(args, 1, tmp_path / "c.json", 2.0, kv_events=True)
+    assert ev[ev.index("--kv-events-port") + 1] == "10101" and ev[-2:] == ["--", "--enable-prefix-caching"]
     assert [bpr.worker_cpu(i, 8) for i in range(2)] == ["0-3", "4-7"]
     assert [bpr.worker_cpu(i, 1) for i in range(2)] == ["0", "0"]
 
@@ -282,7 +290,7 @@ def test_one_router_run_end_to_end_on_fake_workers(tmp_path, monkeypatch):
     port = _free_port()
     wports = [_free_port(), _free_port()]
     monkeypatch.setattr(bpr, "worker_port", lambda args, i: wports[i])
-    monkeypatch.setattr(bpr, "worker_command", lambda args, i, c, w: [sys.executable, "-c", FAKE, "--port",
+    monkeypatch.setattr(bpr, "worker_command", lambda args, i, c, w, *_: [sys.executable, "-c", FAKE, "--port",
                                                                        str(wports[i])])
     out = tmp_path / "out"
     args = _args("--model", "tiny", "--port", str(port), "--conversations", "3", "--turns", "fixed:2",
