@@ -384,7 +384,9 @@ class Publications:
         sub.fresh, sub.foreign = False, set()
         if not sub.worker.removed and any(x is sub.worker for x in self.d.registry.prefill):
             inst = sub.worker.state.id
-            rh.published(inst, [], rh.qmap[inst].ts)
+            # co-located: n_d from this dispatcher's own decodes there, not the last publication's
+            n_d, kv = rh.own_decodes(inst) if self.d.colocated else (None, None)
+            rh.published(inst, [], rh.qmap[inst].ts, n_d, kv)
         self.d.metrics.publications.labels(name, "stale").inc()
         self.d.metrics.publication_fresh.labels(name).set(0)
         logger.warning("prefill worker %s: no queue publication for %.2f s; routing on this dispatcher's own view "

@@ -238,7 +238,7 @@ class RouterHost:
         self.promise_s = promise_s        # how long a decode instance's blocks stay promised at most
         self.qmap = PrefillQueueMap(prefills)
         self.colocated = policy.deployment == COLOCATED
-        self._at: dict[str, list] = {}   # request id -> [instance id, decoding there]
+        self._at: dict[str, list] = {}   # request id -> [instance id, decoding there, the request]
         self._decode: dict[str, DecodeInstance] = {}   # request id -> where blocks are promised to it
 
     def _unreserve(self, req: Request) -> None:
@@ -260,7 +260,7 @@ class RouterHost:
         (:attr:`DecodeInstance.reserved`)."""
         if req.id in self._at:
             self.released(req, now)
-        self._at[req.id] = [inst_id, False]
+        self._at[req.id] = [inst_id, False, req]
         self.qmap.add(inst_id, req, now)
         if decode is not None:
             decode.reserve(req.id, blocks, now + self.promise_s)
@@ -325,6 +325,13 @@ class RouterHost:
         """``req`` ended (its last token, a failure, an abort): released, and the router told."""
         self.released(req, now)
         self.policy.on_request_finished(req, now)
+
+    def own_decodes(self, inst_id: int) -> tuple[int, float]:
+        """Co-located: how many of this router's own requests decode on ``inst_id`` and their KV
+        (each counted as its prompt, as :meth:`PrefillQueueMap.decode_started` counts it): the
+        n_d a dispatcher falls back to when the instance's publications stop."""
+        mine = [at[2] for at in self._at.values() if at[0] == inst_id and at[1]]
+        return len(mine), float(sum(r.prompt_len for r in mine))
 
     def placed(self, rid: str) -> bool:
         """Whether request ``rid`` is on an instance by this router's events (dispatched and

@@ -329,6 +329,8 @@ def test_view_after_a_publication_is_what_router_host_published_gives(deployment
     hub.subs["p0"] = sub
     hub.check_stale(now + 0.3 + 10)
     assert [r.id for r in q.queue] == ["b"] and sub.fresh is False
+    if deployment == COLOCATED:   # n_d from our own decodes there (a), not the last publication's
+        assert (q.n_decode, q.decode_kv) == (1, 100.0)
     assert metric(d, "proserve:dispatcher_publication_fresh", instance="p0") == 0
     assert metric(d, "proserve:dispatcher_publications_total", instance="p0", result="stale") == 1
     # a bad frame changes nothing and is counted
