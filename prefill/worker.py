@@ -218,7 +218,7 @@ def _check_side_channel(args, port_flag: str, keys_flag: str, insecure_flag: str
     """A ZeroMQ PUB socket the scheduler plugin opens beside the worker (``port_flag``): a port
     other than ``--port``, the plugin (``plugin_does`` says why), CURVE server keys
     (``keys_flag``) or a loopback ``--host`` (or ``insecure_flag``). SystemExit otherwise."""
-    dest = lambda flag: flag[2:].replace("-", "_")   # noqa: E731 -- "--kv-events-port" -> "kv_events_port"
+    dest = lambda flag: flag[2:].replace("-", "_")
     port, keys = getattr(args, dest(port_flag), None), getattr(args, dest(keys_flag), None)
     if port is None:
         if keys:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import time
 
 import msgpack
 import pytest
@@ -269,10 +268,10 @@ def test_subscriber_tasks_do_not_leak_across_add_remove_and_down_marks():
                 for i in range(4):
                     w = m.add({"role": "prefill", "url": extra.url, "name": f"x{i}",
                                "kv_events": f"tcp://127.0.0.1:{port}"})
-                    await until(lambda: w.events is not None and w.events.running, what="a subscription")
+                    await until(lambda w=w: w.events is not None and w.events.running, what="a subscription")
                     h.d.registry.failed(w, "test")            # down: its subscription ends at once
                     assert w.events is None and w.state.prefix is None
-                    await until(lambda: w.events is not None and w.events.running, what="resubscribed")
+                    await until(lambda w=w: w.events is not None and w.events.running, what="resubscribed")
                     m.remove(w.name, force=True)
                     assert w.events is None
                     await asyncio.sleep(0.05)
@@ -361,8 +360,8 @@ def test_promises_end_on_every_dispatcher_path():
 
 def test_room_does_not_drift_over_many_promises():
     from proserve.scheduler.host import RouterHost
-    from proserve.scheduler.request import Request
     from proserve.scheduler.registry import make_global
+    from proserve.scheduler.request import Request
     from proserve.scheduler.routing.base import DecodeInstance
 
     ps = [instance()]
@@ -392,9 +391,9 @@ def test_room_does_not_drift_over_many_promises():
 
 @pytest.mark.parametrize("sync", ["publish", "blind", "shared"])
 def test_simulator_promises_end_on_the_dispatcher_that_made_them(sync):
-    from proserve.scheduler.request import Request
     from proserve.profiler.modelfile import BUNDLED, load
     from proserve.scheduler import GainConfig
+    from proserve.scheduler.request import Request
     from proserve.sim.cluster import SimConfig, Simulator
 
     reqs = [Request(f"r{i}", "high", 2.0, 5.0, 0.1, 0.002 * i, 256 if i % 7 else 10 ** 7, 8) for i in range(60)]
