@@ -486,6 +486,8 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"pace": "mean"}, "pace"),
     ("slide_batching", {"budget_cap": 0.0}, "budget_cap"),
     ("slide_batching", {"skip_late_prompts": "yes"}, "skip_late_prompts"),
+    ("slide_batching", {"catch_up": -1.0}, "catch_up"),
+    ("slide_batching", {"catch_up": "soon"}, "catch_up"),
     ("slide_batching", {"decode_first": "yes"}, "decode_first"),
     ("slide_batching", {"decode_first": 1}, "decode_first"),
     ("slide_batching", {"age_share": 0.0}, "age_share"),
@@ -723,6 +725,37 @@ def test_slide_skip_late_prompts_lets_a_prompt_past_hope_take_long_steps():
     # a late decode still bounds it: d at now 1.5 is 0.2 past its deadline -> the floor η
     assert policy("slide_batching", budget_cap=4.0, **alone).schedule(
         view([], [d], now=1.5)).info.t_budget == pytest.approx(0.1)
+
+
+def test_slide_catch_up_shortens_steps_while_a_decode_is_late():
+    # now 1.5: d has emitted 3 tokens, its 4th is due at 0 + 1.0 + 3·0.1 = 1.3 (Eq. 3): late by
+    # 0.2 s; q, a 100-token prompt due at 2.4 (remain 0.9, exec 0.1)
+    d, q = dec("d", 0.0, emitted=3), wait("q", 1.4, 100)
+    as_written = policy("slide_batching").schedule(view([q], [d], now=1.5))
+    assert as_written.info.t_budget == pytest.approx(0.1)           # line 7: d pins the floor η
+    assert decs(as_written) == ["d"] and chunks(as_written) == [("q", 89)]
+    # catch_up: the least B with which q still ends by its deadline at steps of B, each paying
+    # t_c + d's decode (11 ms): (t_c + D)·R/(R − E) = 0.011 · 0.9 / 0.8; d's next tokens come
+    # every ~12 ms and win back 88 ms each, while q keeps 1 token a step
+    fast = policy("slide_batching", catch_up=0.0).schedule(view([q], [d], now=1.5))
+    assert fast.info.t_budget == pytest.approx(0.011 * 0.9 / 0.8)
+    assert decs(fast) == ["d"] and chunks(fast) == [("q", 1)]
+    # no late decode: Algorithm 1's budget (d at 1.25 is 0.05 ahead of its deadline) ...
+    on_time = policy("slide_batching", catch_up=0.0).schedule(view([q], [d], now=1.25))
+    assert on_time.info.t_budget == pytest.approx(
+        policy("slide_batching").schedule(view([q], [d], now=1.25)).info.t_budget)
+    # ... unless the margin asks for more: catch_up=1 counts a decode late until it is a whole
+    # η (a token) ahead of its deadline
+    ahead = policy("slide_batching", catch_up=1.0).schedule(view([q], [d], now=1.25))
+    q_rem = 2.4 - 1.25
+    assert ahead.info.t_budget == pytest.approx(0.011 * q_rem / (q_rem - 0.1))
+    # a late prompt queued (p: 500 tokens due at 1.6, remain 0.1): off, Algorithm 1 decides
+    p = wait("p", 0.6, 500)
+    assert policy("slide_batching", catch_up=0.0).schedule(view([p, q], [d], now=1.5)).info.t_budget \
+        == pytest.approx(policy("slide_batching").schedule(view([p, q], [d], now=1.5)).info.t_budget)
+    # decodes alone: a decode-only step
+    alone = policy("slide_batching", catch_up=0.0).schedule(view([], [d], now=1.5))
+    assert alone.info.t_budget == pytest.approx(0.011) and decs(alone) == ["d"]
 
 
 def _starving_queue():
