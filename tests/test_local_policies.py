@@ -758,6 +758,34 @@ def test_slide_catch_up_shortens_steps_while_a_decode_is_late():
     assert alone.info.t_budget == pytest.approx(0.011) and decs(alone) == ["d"]
 
 
+@pytest.mark.parametrize("params", [
+    {"catch_up": 0.0}, {"catch_up": 1.0, "decode_first": "all"},
+    {"catch_up": 1.0, "decode_first": "all", "pace": "first_token", "skip_late_prompts": True,
+     "budget_cap": 4.0, "headroom": 0.1, "phi": "c"},
+])
+def test_slide_catch_up_random_views(params):
+    # what catch_up may change is the budget, only downwards, and never below the running
+    # decodes: with memory to spare every decode of the view is in the step. A model with
+    # context-dependent decode costs (a_d > 0), as a profiled one: a step sized to hold exactly
+    # the decodes once left the last one out, by float rounding
+    rng = random.Random(repr(params))
+    model = LatencyModel(a_p=1e-7, b_p=3e-8, c_p=4.54e-4, a_d=3e-7, b_d=4.1e-4, t_c=8.9e-3)
+    slide = lambda **p: make_local("slide_batching", Estimator(model), **{**ALG1, **p})
+    with_rule, without = slide(**params), slide(**{k: v for k, v in params.items() if k != "catch_up"})
+    for _ in range(1000):
+        now = 10.0
+        ws = [wait(f"w{i}", rng.uniform(8.5, 10), rng.randint(1, 400), prio=rng.choice(["high", "low"]))
+              for i in range(rng.randint(0, 4))]
+        ds = [dec(f"d{i}", rng.uniform(8, 10), emitted=rng.randint(1, 12), prompt=rng.randint(1, 900))
+              for i in range(rng.randint(1, 9))]
+        v = view(ws, ds, now=now)
+        plan, base = with_rule.schedule(v), without.schedule(v)
+        assert plan.info.t_budget <= base.info.t_budget + 1e-12
+        assert not plan.empty
+        if params.get("decode_first") == "all":
+            assert sorted(decs(plan)) == sorted(d.id for d in ds)
+
+
 def _starving_queue():
     # prefill-only, now = 0, η = 0.1:
     #   old: low, arrival -3 (waited 3 s = 3·TTFT_SLO), prompt 500 -> remain -2, exec 0.5, density 2

@@ -299,7 +299,9 @@ class SlideBatching(LocalPolicy):
             if rem <= cum + fixed:
                 return math.inf
             need = max(need, fixed * rem / (rem - cum))
-        return need
+        # + 1 ns: the batch adds up the same costs in its own order, and rounding must not
+        # leave the last decode out of a step sized to hold exactly every decode
+        return need + 1e-9
 
     def _aged(self, Q, now: float) -> list[int]:
         """Indices of the AGED requests of ``Q`` (waited ``age_limit·TTFT_SLO`` without a
