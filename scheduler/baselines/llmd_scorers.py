@@ -38,6 +38,26 @@ def kv_usage(p) -> float:
     return min(1.0, (queued + p.n_decode * p.avg_decode_kv) / capacity)
 
 
+def llmd_scores(req, prefills, w_prefix: float = 3.0, w_queue: float = 2.0, w_kv: float = 2.0) -> dict[int, float]:
+    """Instance id -> ``w_prefix·prefix + w_queue·queue + w_kv·(1 − KV usage)`` (the module doc)."""
+    qs = {p.id: len(p.queue) for p in prefills}
+    lo, hi = min(qs.values()), max(qs.values())
+    scores = {}
+    for p in prefills:
+        s_prefix = expected_hit(p, req) / req.prompt_len
+        s_queue = 1.0 if hi == lo else (hi - qs[p.id]) / (hi - lo)
+        s_kv = 1.0 - kv_usage(p)
+        scores[p.id] = w_prefix * s_prefix + w_queue * s_queue + w_kv * s_kv
+    return scores
+
+
+def pick_max(pool, scores: dict[int, float], rng):
+    """The instance of ``pool`` with the highest score; ties uniformly at random (``rng``)."""
+    top = max(scores[p.id] for p in pool)
+    best = [p for p in pool if scores[p.id] >= top - 1e-12]
+    return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+
 @register_global
 class LlmdScorers(GlobalPolicy):
     name = "llmd_scorers"
@@ -52,15 +72,6 @@ class LlmdScorers(GlobalPolicy):
         self.last_scores: dict[int, float] = {}   # instance id -> total score of the latest call
 
     def select_prefill(self, req, prefills, now):
-        qs = {p.id: len(p.queue) for p in prefills}
-        lo, hi = min(qs.values()), max(qs.values())
-        scores = {}
-        for p in prefills:
-            s_prefix = expected_hit(p, req) / req.prompt_len
-            s_queue = 1.0 if hi == lo else (hi - qs[p.id]) / (hi - lo)
-            s_kv = 1.0 - kv_usage(p)
-            scores[p.id] = self.w_prefix * s_prefix + self.w_queue * s_queue + self.w_kv * s_kv
+        scores = llmd_scores(req, prefills, self.w_prefix, self.w_queue, self.w_kv)
         self.last_scores = scores
-        top = max(scores.values())
-        best = [p for p in prefills if scores[p.id] >= top - 1e-12]
-        return best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+        return pick_max(prefills, scores, self.rng)

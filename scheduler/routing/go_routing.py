@@ -108,10 +108,12 @@ from dataclasses import dataclass, field
 from .. import validate
 from ..registry import register_global
 from .base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_room
+from ..baselines.llmd_scorers import llmd_scores, pick_max
 from .estimates import evaluate, order_of, resolve_eta, resolve_order
 
 FALLBACKS = ("random", "min_load", "most_room")
-BRANCHES = ("light", "fill", "balance", "fallback")
+CHOOSE = ("thresholds", "scorers")
+BRANCHES = ("light", "fill", "balance", "scored", "fallback")
 
 
 @dataclass
@@ -138,7 +140,8 @@ class GoRouting(GlobalPolicy):
 
     def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
                  alpha: float = 0.9, mu: float = 0.2, lam: float = 0.8, eta: float | None = None,
-                 fallback: str = "random", order: str = "local", kv_fit: bool = True):
+                 fallback: str = "random", order: str = "local", kv_fit: bool = True,
+                 choose: str = "thresholds"):
         super().__init__(gain, classes, deployment, seed)
         n = self.name
         self.alpha = validate.number(n, "alpha", alpha, 0, 1, lo_open=True)
@@ -150,6 +153,7 @@ class GoRouting(GlobalPolicy):
         self.fallback = validate.one_of(n, "fallback", fallback, FALLBACKS)
         self.order = resolve_order(order, n)
         self.kv_fit = validate.boolean(n, "kv_fit", kv_fit)
+        self.choose = validate.one_of(n, "choose", choose, CHOOSE)
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):
@@ -183,7 +187,10 @@ class GoRouting(GlobalPolicy):
             if fits is not None and not all(fits):                          # kv_fit: no room is heavy
                 L = [i for i in L if fits[i]]
                 H = sorted(set(H) | {i for i in C if not fits[i]})
-            if L:                                                           # line 13: most idle in L
+            if self.choose == "scorers":                                    # variant of lines 10-17
+                pool = [i for i in C if i not in set(H)] or C
+                best, branch = self._scored(req, prefills, pool), "scored"
+            elif L:                                                         # line 13: most idle in L
                 best, branch = min(L, key=lambda i: (light[i], tie[i])), "light"
             else:
                 heavy = set(H)
@@ -198,7 +205,9 @@ class GoRouting(GlobalPolicy):
             pool = list(range(len(prefills)))
             if fits is not None and not all(fits):
                 pool = [i for i in pool if fits[i]] or pool
-            if self.fallback == "min_load":                                 # variant of line 19
+            if self.choose == "scorers":                                    # variant of line 19
+                best = self._scored(req, prefills, pool)
+            elif self.fallback == "min_load":                               # variant of line 19
                 best = min(pool, key=tie.__getitem__)
             elif self.fallback == "most_room":                              # variant of line 19
                 best = min(pool, key=lambda i: (-rooms[i], tie[i]))
@@ -214,3 +223,10 @@ class GoRouting(GlobalPolicy):
             wait={ids[i]: wait[i] for i in range(len(ests))},
             candidates=[ids[i] for i in C], light=[ids[i] for i in L], heavy=[ids[i] for i in H])
         return prefills[best]
+
+    def _scored(self, req, prefills, pool: list[int]) -> int:
+        """``choose="scorers"``: the index in ``pool`` with llm-d's weighted score (prefix,
+        queue, free KV; ``baselines.llmd_scorers``), ties at random."""
+        scores = llmd_scores(req, prefills)       # the queue score is relative to every instance
+        chosen = pick_max([prefills[i] for i in pool], scores, self.rng)
+        return next(i for i in pool if prefills[i] is chosen)
