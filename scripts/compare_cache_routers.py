@@ -4,15 +4,16 @@ simulator on the Mooncake synthetic trace (issue 14; docs/results.md §2.3).
 
 Co-located SlideBatching instances with prefix caching (the simulator's default), 8
 instances at 1-3.5 req/s and 32 at 4-14 req/s, all 3,993 requests, 3 seeds. Routers:
-GoRouting (schedule-aware, with its prefix index; with ``fallback=most_room``; and the
-paper's estimate), Min-Load,
+GoRouting (schedule-aware, with its prefix index; with ``fallback=most_room``; with
+``choose=scorers``, llm-d's score among the instances GoRouting allows; and the paper's
+estimate), Min-Load,
 round-robin, and the three cache-aware baselines as their users tune them
 (``scheduler/baselines/``: SGLang's cache_aware at its defaults, llm-d's scorers at their
 published weights 3/2/2, Dynamo's KV router at ``overlap_weight=4``, the best of 0.5-4 in a
 sweep at 1.5 and 2.5 req/s on 8 instances; see the doc). A sweep whose JSON is already
 under ``--out`` is kept unless ``--rerun``. Prints per rate the mean ± sd over seeds of
-TDG_Ratio, first-token TDG_Ratio and the prefix-cache hit rate, then GoRouting's
-difference to every other router, and draws ``cache_routers.png``.
+TDG_Ratio, first-token TDG_Ratio and the prefix-cache hit rate, then GoRouting's and
+GoRouting (choose=scorers)'s difference to every other router, and draws ``cache_routers.png``.
 
     python scripts/compare_cache_routers.py --out docs/results/routing_prefix     # ~25 min on 2 cores
 """
@@ -39,7 +40,11 @@ ROUTERS = (  # label, sweep arguments
     ("SGLang cache_aware", ["--global", "sglang_cache_aware"]),
     ("llm-d scorers", ["--global", "llmd_scorers"]),
     ("Dynamo KV (w=4)", ["--global", "dynamo_kv", "--global-param", "overlap_weight=4"]),
+    # appended (issue 14): the directories are numbered by position, so new rows go last
+    ("GoRouting (choose=scorers)", ["--global", "go_routing", "--global-param", "choose=scorers"]),
 )
+# the rows whose differences to every other row are printed
+REFERENCES = ("GoRouting", "GoRouting (choose=scorers)")
 SETUPS = {  # name: sweep arguments, rates
     "colocated-8": (["--deployment", "colocated", "--instances", "8"], "1.0,1.5,2.0,2.5,3.5"),
     "colocated-32": (["--deployment", "colocated", "--instances", "32"], "4,6,8,10,14"),
@@ -54,10 +59,12 @@ DEFAULT_SETUPS = ("colocated-8", "colocated-32")
 METRICS = (("tdg_ratio", "TDG_Ratio"), ("first_token_tdg_ratio", "first-token TDG_Ratio"), ("hit", "hit rate"))
 
 
-def run(out: Path, trace: Path, seeds: str, jobs: int, rerun: bool, setups) -> None:
+def run(out: Path, trace: Path, seeds: str, jobs: int, rerun: bool, setups, routers) -> None:
     for name in setups:
         sargs, rates = SETUPS[name]
         for i, (label, rargs) in enumerate(ROUTERS):
+            if i not in routers:
+                continue
             d = out / f"{name}-{i}"
             if not rerun and (d / "sweep.json").exists():
                 continue
@@ -97,10 +104,10 @@ def report(out: Path, setups) -> None:
                 cells = [f"{statistics.mean(v):.4f} ± {statistics.stdev(v) if len(v) > 1 else 0.0:.4f}"
                          if v else "-" for v in vals]
                 print(f"| {lab} | " + " | ".join(cells) + " |")
-            me = ROUTERS[0][0]
-            for lab, ys in mean.items():
-                if lab != me and me in mean:
-                    print(f"  {me} minus {lab}: " + " ".join(f"{a - b:+.4f}" for a, b in zip(mean[me], ys)))
+            for me in (m for m in REFERENCES if m in mean):
+                for lab, ys in mean.items():
+                    if lab != me:
+                        print(f"  {me} minus {lab}: " + " ".join(f"{a - b:+.4f}" for a, b in zip(mean[me], ys)))
             if key != "hit":
                 panels.append((f"{name}", title, rates, mean))
     if panels:
@@ -117,7 +124,16 @@ def main() -> int:
                     help="comma-separated, of: " + ", ".join(SETUPS) + " (default: %(default)s)")
     ap.add_argument("--report-only", action="store_true", help="only summarise sweeps already in --out")
     ap.add_argument("--rerun", action="store_true", help="run sweeps whose JSON is already in --out again")
+    ap.add_argument("--routers", default=None,
+                    help="comma-separated indices of the routers to run (default: all): "
+                         + ", ".join(f"{i} {lab}" for i, (lab, _) in enumerate(ROUTERS)))
     args = ap.parse_args()
+    try:
+        routers = set(range(len(ROUTERS))) if args.routers is None else {int(x) for x in args.routers.split(",")}
+    except ValueError:
+        ap.error(f"--routers takes comma-separated indices, got {args.routers!r}")
+    if not routers or not routers <= set(range(len(ROUTERS))):
+        ap.error(f"--routers: indices 0-{len(ROUTERS) - 1}, got {args.routers!r}")
     setups = [s for s in args.setups.split(",") if s]
     bad = [s for s in setups if s not in SETUPS]
     if bad:
@@ -127,7 +143,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        run(out, args.trace, args.seeds, args.jobs, args.rerun, setups)
+        run(out, args.trace, args.seeds, args.jobs, args.rerun, setups, routers)
     report(out, setups)
     return 0
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from proserve.scheduler import ConfigError, Estimator, LatencyModel, Request
+from proserve.scheduler.baselines.llmd_scorers import kv_usage
 from proserve.scheduler.registry import make_global
 from proserve.scheduler.routing.base import COLOCATED, PrefillInstance, PrefillQueueMap
-from proserve.scheduler.baselines.llmd_scorers import kv_usage
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=0.01)
 
@@ -244,3 +244,58 @@ def test_dynamo_small_temperature_never_underflows():
     r = req("r", 640)
     for t in (1e-3, 1e-6):
         assert make_global("dynamo_kv", temperature=t).route(r, insts)[0].id in (0, 1, 2)
+
+
+# -- GoRouting choose=scorers: GoRouting judges which instances can serve, llm-d's score which -----
+
+def test_go_routing_scorers_choose_within_the_candidates_gorouting_allows():
+    """Instance 0 holds the request's prefix and has the most free KV, so llm-d's scorers take
+    it, but behind its backlog (3 queued prompts, 1.9 s) the request misses its 1 s TTFT:
+    Δ_0 = 0, not a candidate. Of the light instances 1 and 2, lines 13-17 take 1 (no running decode), the score takes 2
+    (more free KV)."""
+    insts, qm = cluster()
+    warm(qm, 0, "w", 640, range(10))
+    queue(qm, 0, 3)
+    insts[2].n_decode = 1
+    for p, u in zip(insts, (0.1, 0.5, 0.1)):
+        p.kv_usage = u
+    r = Request("r", "high", 2.0, 1.0, 1.0, 0.0, 640, output_len=8,
+                prefix_blocks=tuple(range(10)), prefix_block_tokens=64)
+    assert make_global("llmd_scorers", deployment=COLOCATED).route(r, insts)[0].id == 0
+    go = make_global("go_routing", deployment=COLOCATED)
+    assert go.route(r, insts)[0].id == 1 and go.last_decision.branch == "light"
+    assert go.last_decision.deltas[0] == 0 and go.last_decision.candidates == [1, 2]
+    sc = make_global("go_routing", deployment=COLOCATED, choose="scorers")
+    assert sc.route(r, insts)[0].id == 2 and sc.last_decision.branch == "scored"
+    for p in insts:
+        p.kv_usage = 0.1                          # 1 and 2 tie on the score: drawn at random (seeded)
+    picks = {make_global("go_routing", deployment=COLOCATED, choose="scorers", seed=s).route(r, insts)[0].id
+             for s in range(20)}
+    assert picks == {1, 2}
+
+
+def test_go_routing_scorers_score_every_instance_for_a_request_none_serves_in_time():
+    """A request no instance serves before its TTFT (20k tokens, 1 s): line 19. Instance 3
+    holds 64 % of its prompt but its KV (1 % free) cannot hold the other 7,200 tokens, so
+    kv_fit's random fallback draws among 1 and 2; choose=scorers scores every instance, as
+    llm-d does (the KV term weighs the free memory), and takes 3."""
+    insts, qm = cluster(n=4, cache_tokens=100_000)
+    blocks = tuple(range(313))                    # 313 blocks of 64 tokens >= 20,000
+    warm(qm, 3, "w", 12_800, blocks[:200])
+    for p, u in zip(insts, (0.99, 0.5, 0.2, 0.99)):
+        p.kv_usage = u
+    r = Request("big", "high", 2.0, 1.0, 1.0, 0.0, 20_000, output_len=8,
+                prefix_blocks=blocks, prefix_block_tokens=64)
+    picks = {make_global("go_routing", deployment=COLOCATED, seed=s).route(r, insts)[0].id for s in range(20)}
+    assert picks == {1, 2}
+    assert make_global("llmd_scorers", deployment=COLOCATED).route(r, insts)[0].id == 3
+    sc = make_global("go_routing", deployment=COLOCATED, choose="scorers")
+    assert sc.route(r, insts)[0].id == 3 and sc.last_decision.branch == "fallback"
+    assert sc.last_decision.delta_max <= 0
+    # 3: 3·0.64 + 2 + 2·0.01 = 3.94; 2: 2 + 2·0.8 = 3.6; with 1's KV empty, 1: 2 + 2·1 = 4
+    insts[1].kv_usage = 0.0
+    assert sc.route(r, insts)[0].id == 1
+    with pytest.raises(ConfigError, match="fallback"):
+        make_global("go_routing", choose="scorers", fallback="most_room")
+    with pytest.raises(ConfigError, match="choose"):
+        make_global("go_routing", choose="llmd")

@@ -38,7 +38,12 @@ def kv_usage(p) -> float:
     return min(1.0, (queued + p.n_decode * p.avg_decode_kv) / capacity)
 
 
-def llmd_scores(req, prefills, w_prefix: float = 3.0, w_queue: float = 2.0, w_kv: float = 2.0) -> dict[int, float]:
+# llm-d's published inference-scheduling profile (the module doc)
+W_PREFIX, W_QUEUE, W_KV = 3.0, 2.0, 2.0
+
+
+def llmd_scores(req, prefills, w_prefix: float = W_PREFIX, w_queue: float = W_QUEUE,
+                w_kv: float = W_KV) -> dict[int, float]:
     """Instance id -> ``w_prefix·prefix + w_queue·queue + w_kv·(1 − KV usage)`` (the module doc)."""
     qs = {p.id: len(p.queue) for p in prefills}
     lo, hi = min(qs.values()), max(qs.values())
@@ -64,7 +69,7 @@ class LlmdScorers(GlobalPolicy):
     summary = "llm-d's weighted scorers: 3·prefix + 2·queue + 2·KV utilisation, max score"
 
     def __init__(self, gain=None, classes=None, deployment: str = DISAGGREGATED, seed: int = 0,
-                 prefix: float = 3.0, queue: float = 2.0, kv: float = 2.0):
+                 prefix: float = W_PREFIX, queue: float = W_QUEUE, kv: float = W_KV):
         super().__init__(gain, classes, deployment, seed)
         self.w_prefix = validate.non_negative(self.name, "prefix", prefix)
         self.w_queue = validate.non_negative(self.name, "queue", queue)

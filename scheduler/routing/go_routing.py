@@ -15,7 +15,8 @@ For each prefill (or co-located) instance ``p``:
    over-balancing fix of §3.3), else the least loaded of C (line 17); with
    the schedule-aware estimate (``order``, below) L and line 17 read req's own
    wait and completion instead of the backlog;
-4. otherwise a uniformly random instance (line 19, seeded).
+4. otherwise a uniformly random instance (line 19, seeded);
+5. with ``choose="scorers"``, steps 3-4 choose by llm-d's score instead (below).
 
 The decode instance is the one with the most free KV blocks, less those promised to requests
 routed there whose prefill has not ended (line 20, base class: ``DecodeInstance.room``).
@@ -64,6 +65,21 @@ Defaults (the paper gives none; all settable, validated):
   ``"most_room"``, the instance with the most KV room: a request that can meet
   its TTFT nowhere starts its prefill, and its decode catches up, soonest
   where its KV can be allocated (§2.3).
+* ``choose = "thresholds"``: how to choose among the instances once lines
+  2-11 have judged them. ``"scorers"`` (issue 14, not the paper's) keeps
+  GoRouting's judgement of *which* instances can serve req (C − H: near-max
+  gain, not too risky to pile onto, with ``kv_fit`` enough KV room; all of C
+  if that is empty) and picks *among* them by llm-d's weighted score (3 ·
+  prefix-match fraction + 2 · relative queue + 2 · free KV, its published
+  weights; ``baselines.llmd_scorers``), ties at random. Line 19 (no instance
+  meets req's TTFT) picks the same way among *all* instances, ``kv_fit``'s
+  filter left out (the score's KV term weighs free memory already; filtering
+  too cost 0.003 TDG_Ratio at 14 req/s on 32 instances), so ``fallback`` must
+  stay ``"random"``. Why: on the Mooncake trace (15k-token prompts, an
+  instance's KV holds ~7) lines 13-17 pick by this request's wait alone, while
+  the score's prefix and free-KV terms stand for what a choice leaves the
+  *next* requests (cache affinity, room to start), which no request's gain
+  prices; docs/results.md §2.3 measures both.
 * ``order = "local"``: the queue order ESTIMATEGAIN assumes on each instance
   (issue 14, not the paper's): ``"local"`` takes the order its local policy
   serves in (``PrefillInstance.order``, from the policy's ``router_order``:
@@ -106,9 +122,9 @@ import math
 from dataclasses import dataclass, field
 
 from .. import validate
+from ..baselines.llmd_scorers import llmd_scores, pick_max
 from ..registry import register_global
 from .base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_room
-from ..baselines.llmd_scorers import llmd_scores, pick_max
 from .estimates import evaluate, order_of, resolve_eta, resolve_order
 
 FALLBACKS = ("random", "min_load", "most_room")
@@ -122,7 +138,8 @@ class GoDecision:
 
     request: str
     chosen: int
-    branch: str                       # "light" (line 13), "fill" (15), "balance" (17), "fallback" (19)
+    branch: str                       # "light" (line 13), "fill" (15), "balance" (17), "fallback" (19),
+    #                                   "scored" (C − H by llm-d's score, choose="scorers")
     delta_max: float
     deltas: dict[int, float] = field(default_factory=dict)     # Δ_p per instance id
     exec: dict[int, float] = field(default_factory=dict)       # ESTIMATEEXEC(p)
@@ -154,6 +171,8 @@ class GoRouting(GlobalPolicy):
         self.order = resolve_order(order, n)
         self.kv_fit = validate.boolean(n, "kv_fit", kv_fit)
         self.choose = validate.one_of(n, "choose", choose, CHOOSE)
+        if self.choose == "scorers" and self.fallback != "random":
+            validate.fail(n, "fallback", "'random' (unread: choose=scorers scores line 19's pool too)", fallback)
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):
@@ -187,8 +206,9 @@ class GoRouting(GlobalPolicy):
             if fits is not None and not all(fits):                          # kv_fit: no room is heavy
                 L = [i for i in L if fits[i]]
                 H = sorted(set(H) | {i for i in C if not fits[i]})
-            if self.choose == "scorers":                                    # variant of lines 10-17
-                pool = [i for i in C if i not in set(H)] or C
+            if self.choose == "scorers":                                    # variant of lines 12-17
+                heavy = set(H)
+                pool = [i for i in C if i not in heavy] or C
                 best, branch = self._scored(req, prefills, pool), "scored"
             elif L:                                                         # line 13: most idle in L
                 best, branch = min(L, key=lambda i: (light[i], tie[i])), "light"
@@ -201,9 +221,10 @@ class GoRouting(GlobalPolicy):
                 else:                                                       # line 17: least loaded of C
                     best, branch = min(C, key=lambda i: (fin[i], tie[i])), "balance"
         else:
-            # line 19's pool: with kv_fit, the instances that can hold req (all if none can)
+            # line 19's pool: with kv_fit, the instances that can hold req (all if none can);
+            # choose=scorers scores every instance (its KV term weighs their free memory)
             pool = list(range(len(prefills)))
-            if fits is not None and not all(fits):
+            if fits is not None and not all(fits) and self.choose != "scorers":
                 pool = [i for i in pool if fits[i]] or pool
             if self.choose == "scorers":                                    # variant of line 19
                 best = self._scored(req, prefills, pool)
@@ -225,8 +246,9 @@ class GoRouting(GlobalPolicy):
         return prefills[best]
 
     def _scored(self, req, prefills, pool: list[int]) -> int:
-        """``choose="scorers"``: the index in ``pool`` with llm-d's weighted score (prefix,
-        queue, free KV; ``baselines.llmd_scorers``), ties at random."""
+        """``choose="scorers"``: the index in ``pool`` with the highest llm-d weighted score
+        (prefix, queue, free KV at llm-d's published weights; ``baselines.llmd_scorers``),
+        ties at random."""
         scores = llmd_scores(req, prefills)       # the queue score is relative to every instance
         chosen = pick_max([prefills[i] for i in pool], scores, self.rng)
         return next(i for i in pool if prefills[i] is chosen)
