@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """GoRouting with its schedule-aware estimate against the paper's estimate, Min-Load and
-round-robin, in the simulator (issue 14; docs/results.md §2.1).
+round-robin, in the simulator (issue 14; docs/results.md §2.1); also GoRouting with
+``choose=scorers`` (llm-d's score among the instances lines 2-11 allow, §2.3).
 
 For each local policy (SlideBatching, Sarathi-FCFS) and deployment (disaggregated 4
 prefill + 8 decode instances, rates 30-50 req/s; co-located 8 instances, rates 20-35
@@ -31,6 +32,9 @@ ROUTERS = (  # label, sweep arguments, local policies it runs with
     # Sarathi-FCFS keeps the paper's estimate by default; the arrival order it serves in, forced:
     ("GoRouting (order=fcfs)", ["--global", "go_routing", "--global-param", "order=fcfs"], ("sarathi_fcfs",)),
     ("GoRouting (fallback=min_load)", ["--global", "go_routing", "--global-param", "fallback=min_load"], None),
+    # appended (the directories are numbered by position): llm-d's score among the instances
+    # lines 2-11 allow (docs/results.md §2.3)
+    ("GoRouting (choose=scorers)", ["--global", "go_routing", "--global-param", "choose=scorers"], None),
 )
 DEPLOYMENTS = {
     "disaggregated": (["--deployment", "disaggregated", "--prefill-instances", "4", "--decode-instances", "8"],
