@@ -69,7 +69,7 @@ class Metrics:
                                ["priority"], registry=r)
         self.routed = Counter("proserve:dispatcher_routed", "Routing decisions per instance",
                               ["role", "instance"], registry=r)
-        self.branch = Counter("proserve:dispatcher_route_branch", "GoRouting branch taken (Alg. 2)",
+        self.branch = Counter("proserve:dispatcher_route_branch", "GoRouting branch taken (Alg. 2; scored: choose=scorers)",
                               ["branch"], registry=r)
         self.route_time = Histogram("proserve:dispatcher_route_seconds", "Routing decision time",
                                     buckets=_ROUTE_BUCKETS, registry=r)

@@ -299,3 +299,16 @@ def test_go_routing_scorers_score_every_instance_for_a_request_none_serves_in_ti
         make_global("go_routing", choose="scorers", fallback="most_room")
     with pytest.raises(ConfigError, match="choose"):
         make_global("go_routing", choose="llmd")
+
+
+@pytest.mark.parametrize("name,params", [("llmd_scorers", {}), ("go_routing", {"choose": "scorers"})])
+def test_a_nan_kv_usage_counts_as_unreported_in_the_score(name, params):
+    """A NaN usage (the dispatcher validates its reports, a caller of the API may not) made
+    the instance's score NaN; first in the list it beat nothing and nothing beat it, so the
+    max-score picker had no choice and raised. It now counts as unreported, as kv_room does."""
+    insts, _ = cluster()
+    for p, u in zip(insts, (float("nan"), 0.3, None)):
+        p.kv_usage = u
+    assert kv_usage(insts[0]) == 0.0               # the router's own estimate: nothing queued
+    pol = make_global(name, deployment=COLOCATED, **params)
+    assert pol.route(req("r", 100), insts)[0].id in (0, 2)   # queues equal; 0 and 2 have all KV free

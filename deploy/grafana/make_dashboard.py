@@ -207,7 +207,8 @@ def dashboard() -> dict:
     # -- routing --------------------------------------------------------------------------------
     L.row("Routing (GoRouting, Alg. 2)")
     L.add(timeseries("Routing branches / s", "GoRouting's branch per decision: light = line 13 (an instance "
-                                             "that idles), fill = line 15, balance = line 17, fallback = line 19",
+                                             "that idles), fill = line 15, balance = line 17, fallback = line 19, "
+                                             "scored = C − H by llm-d's score (choose=scorers)",
                      [target(rate(D + "route_branch_total", "", "branch"), "{{branch}}")], "ops", stack=True),
           8, 8)
     L.add(timeseries("Routing decision time", "Time GoRouting (or the configured policy) takes per decision",

@@ -28,8 +28,10 @@ from ..routing.base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_capacit
 
 def kv_usage(p) -> float:
     """``p``'s KV memory in use: as reported, else the router's estimate from what it
-    dispatched (queued prompts, running decodes) over its KV capacity; 0 without one."""
-    if p.kv_usage is not None:
+    dispatched (queued prompts, running decodes) over its KV capacity; 0 without one. A NaN
+    report counts as none (as in ``routing.base.kv_room``): a NaN score would beat no other
+    and empty the max-score picker's choice."""
+    if p.kv_usage is not None and p.kv_usage == p.kv_usage:
         return p.kv_usage
     capacity = kv_capacity(p)
     if not capacity:
