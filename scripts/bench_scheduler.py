@@ -97,20 +97,23 @@ def bench_global(sizes, per_queue: int, routes: int) -> None:
     print(f"\nGoRouting decision time per request (median of {routes} routes, one queue add per route), "
           f"{per_queue} queued per instance, target <= 1 ms at 32 instances; instances running SlideBatching "
           "(GoRouting's schedule-aware estimate, the default) beside the paper's estimate (order=deadline), "
-          "and with a prefix index (every request 24 blocks of 512 tokens from 200 conversations)")
-    print(f"{'instances':>9} {'go_routing':>12} {'paper est.':>10} {'min_load':>10} {'ratio':>6} {'+ index':>10}")
+          "and with a prefix index (every request 24 blocks of 512 tokens from 200 conversations), "
+          "also with choose=scorers")
+    print(f"{'instances':>9} {'go_routing':>12} {'paper est.':>10} {'min_load':>10} {'ratio':>6} {'+ index':>10}"
+          f" {'+ scorers':>10}")
     runs = (("go_routing", "slide", {}), ("paper", "deadline", {"order": "deadline"}), ("min_load", "slide", {}),
-            ("index", "slide", {}))
+            ("index", "slide", {}), ("scorers", "slide", {"choose": "scorers"}))
     for n_inst in sizes:
         times = {}
         for label, order, params in runs:
             name = "min_load" if label == "min_load" else "go_routing"
             rng = random.Random(1)
             now = 1000.0
-            cache = 107_200 if label == "index" else 0      # the bundled model's KV memory, in tokens
+            indexed = label in ("index", "scorers")
+            cache = 107_200 if indexed else 0                # the bundled model's KV memory, in tokens
 
             def blocks():
-                if label != "index":
+                if not indexed:
                     return {}
                 conv = rng.randrange(200)
                 return {"prefix_blocks": tuple(conv * 100 + j for j in range(24)), "prefix_block_tokens": 512}
@@ -133,10 +136,10 @@ def bench_global(sizes, per_queue: int, routes: int) -> None:
                 qmap.remove(p.id, p.queue[0], now)
                 now += 0.01
             times[label] = statistics.median(ts)
-        g, a, m, x = times["go_routing"], times["paper"], times["min_load"], times["index"]
-        verdict = ("  PASS" if max(g, x) <= 1e-3 else "  FAIL") if n_inst == 32 else ""
+        g, a, m, x, c = (times[k] for k in ("go_routing", "paper", "min_load", "index", "scorers"))
+        verdict = ("  PASS" if max(g, x, c) <= 1e-3 else "  FAIL") if n_inst == 32 else ""
         print(f"{n_inst:>9} {g * 1e3:>9.3f} ms {a * 1e3:>7.3f} ms {m * 1e3:>7.3f} ms {g / m:>6.1f} "
-              f"{x * 1e3:>7.3f} ms{verdict}")
+              f"{x * 1e3:>7.3f} ms {c * 1e3:>7.3f} ms{verdict}")
 
 
 def _pct(xs: list[float], q: float) -> float:

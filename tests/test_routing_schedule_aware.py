@@ -14,7 +14,14 @@ import pytest
 from proserve.scheduler import ConfigError, Estimator, GainConfig, LatencyModel, Request, make_global
 from proserve.scheduler.registry import make_local, router_order
 from proserve.scheduler.routing.base import COLOCATED, DISAGGREGATED, PrefillInstance, PrefillQueueMap
-from proserve.scheduler.routing.estimates import DEADLINE, _ordered_gain, evaluate, queue_snapshot
+from proserve.scheduler.routing.estimates import (
+    DEADLINE,
+    ORDERS,
+    _ordered_delta,
+    _ordered_gain,
+    evaluate,
+    queue_snapshot,
+)
 
 MODEL = LatencyModel(a_p=0.0, b_p=0.0, c_p=1e-3, a_d=0.0, b_d=1e-3, t_c=0.01)
 GAIN = GainConfig()
@@ -104,6 +111,32 @@ def test_the_ordered_walk_in_deadline_order_is_the_papers_delta(seed):
         post, _, _ = _ordered_gain(s, DEADLINE, now, lag, est.beta, est.t_c, e.exec_with,
                                       (GAIN.next_token_deadline(r), x0, GAIN.next_token_weight(r)))
         assert post - pre == pytest.approx(e.delta, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_one_walk_delta_is_the_two_walks_bit_for_bit(seed):
+    """_ordered_delta walks the queue once for ESTIMATEGAIN(Q) and ESTIMATEGAIN(Q ∪ {req})
+    together (a speed-up of the router's decision): on random queues, every order, scales and
+    limits that put the same or a different prefix in URGENT, it returns exactly (==, not
+    approx) Δ, start and completion of the two separate walks."""
+    rng = random.Random(seed)
+    ps, qm = instances(1)
+    for k in range(rng.randint(0, 14)):
+        qm.add(0, req(f"q{k}", rng.randint(1, 900), arrival=-rng.uniform(0, 2),
+                      ttft=rng.choice([0.5, 1.0, 2.0]), weight=rng.choice([1.0, 2.0])), 0.0)
+    s = queue_snapshot(ps[0], GAIN)
+    for _ in range(20):
+        now, lag = rng.uniform(0, 0.6), rng.choice([0.0, rng.uniform(0, 0.05)])
+        a0 = rng.uniform(0.8, 1.3)
+        a1 = a0 if rng.random() < 0.5 else a0 * rng.uniform(1.0, 1.5)     # co-located: post's scale
+        b = rng.choice([0.0, 0.01])
+        lim0 = rng.uniform(0, 2.0)
+        lim1 = lim0 + rng.choice([0.0, rng.uniform(0, 0.5), rng.uniform(0, 2.0)])
+        r = (now + rng.uniform(-0.2, 1.5), rng.choice([0.0, rng.uniform(0, 0.9)]), rng.choice([1.0, 2.0, 5.0]))
+        for order in ORDERS:
+            pre, _, _ = _ordered_gain(s, order, now, lag, a0, b, lim0)
+            post, start, done = _ordered_gain(s, order, now, lag, a1, b, lim1, r)
+            assert _ordered_delta(s, order, now, lag, (a0, b, lim0), (a1, b, lim1), r) == (post - pre, start, done)
 
 
 def test_go_routing_sends_a_dense_request_where_it_overtakes_late_work():

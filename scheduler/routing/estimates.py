@@ -282,10 +282,9 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
             return Estimate(e_pre, e_post, math.nan)
         if order != DEADLINE:
             w_req = gain.next_token_weight(req)
-            pre, _, _ = _ordered_gain(s, order, now, lag_, s_pre * beta, 0.0, e_pre)
-            post, start, done = _ordered_gain(s, order, now, lag_, s_post * beta, 0.0, e_post,
-                                              (d_req, x0_req, w_req))
-            return Estimate(e_pre, e_post, post - pre, start, done, _times(s_post, beta * x0_saved))
+            delta, start, done = _ordered_delta(s, order, now, lag_, (s_pre * beta, 0.0, e_pre),
+                                                (s_post * beta, 0.0, e_post), (d_req, x0_req, w_req))
+            return Estimate(e_pre, e_post, delta, start, done, _times(s_post, beta * x0_saved))
         # φ_a is request-agnostic: every request completes at e; it gains iff e < remain
         w_req = gain.next_token_weight(req)
         pre = s.suffix_w[bisect_right(D, now + e_pre)]
@@ -302,10 +301,9 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
         return Estimate(e_pre, e_pre + c, math.nan)
     w_req = gain.next_token_weight(req)
     if order != DEADLINE:
-        pre, _, _ = _ordered_gain(s, order, now, lag_, beta, t_c, e_pre)
-        post, start, done = _ordered_gain(s, order, now, lag_, beta, t_c, e_pre + c,
-                                          (d_req, x0_req, w_req))
-        return Estimate(e_pre, e_pre + c, post - pre, start, done, beta * x0_saved)
+        delta, start, done = _ordered_delta(s, order, now, lag_, (beta, t_c, e_pre), (beta, t_c, e_pre + c),
+                                            (d_req, x0_req, w_req))
+        return Estimate(e_pre, e_pre + c, delta, start, done, beta * x0_saved)
     j = bisect_right(D, d_req)  # req's slot in remain order (after equal deadlines)
     P = s.prefix
     done_req = (beta * P[j - 1] + j * off if j else 0.0) + c - lag_
@@ -319,6 +317,74 @@ def evaluate(p: PrefillInstance, req: Request, now: float, gain: GainConfig, dep
         if 0.0 < rk and pk < rk <= pk + c:  # met before, missed after
             delta -= W[k]
     return Estimate(e_pre, e_pre + c, delta)
+
+
+def _ordered_delta(s: QueueSnapshot, order: str, now: float, lag_: float, pre: tuple[float, float, float],
+                   post: tuple[float, float, float], req: tuple[float, float, float]) -> tuple[float, float, float]:
+    """ESTIMATEGAIN(Q ∪ {req}) − ESTIMATEGAIN(Q) in ``order``, and req's start and completion:
+    ``_ordered_gain`` for ``pre`` = (a, b, limit) without req and for ``post`` with it. Where
+    both walks visit the queue in the same order (always, except under "slide" when the two
+    limits put a different prefix of the queue in URGENT), it walks once, with one running sum
+    for each, summed in the same order as two calls would (the same floats); else two calls."""
+    a0, b0, lim0 = pre
+    a1, b1, lim1 = post
+    D, X, W = s.deadlines, s.execs, s.weights
+    if order == SLIDE:
+        u = bisect_left(D, now + lim0)
+        if bisect_left(D, now + lim1) != u:
+            g0, _, _ = _ordered_gain(s, order, now, lag_, a0, b0, lim0)
+            g1, start, done = _ordered_gain(s, order, now, lag_, a1, b1, lim1, req)
+            return g1 - g0, start, done
+        pos = [i for i in s.by_density if i < u]
+        pos += range(u, len(D))
+    elif order == FCFS:
+        pos = list(s.seq)
+    elif order == DEADLINE:
+        pos = list(range(len(D)))
+    else:
+        raise ValueError(f"unknown queue order {order!r}; choose one of {', '.join(ORDERS)}")
+    d_r, x_r, w_r = req
+    k = _insert_at(s, order, now, pos, u if order == SLIDE else 0, lim1, d_r, x_r, w_r)
+    acc0 = acc1 = total0 = total1 = 0.0
+    t0 = now - lag_
+    for j, i in enumerate(pos):
+        if j == k:                                     # req, in the post walk only
+            c = a1 * x_r + b1 if x_r > 0 else b1
+            start_req = acc1 - lag_ if acc1 > lag_ else 0.0
+            acc1 += c
+            done_req = start_req + c
+            if done_req < d_r - now:
+                total1 += w_r
+        x = X[i]
+        d = D[i]
+        acc0 += a0 * x + b0 if x > 0 else b0
+        acc1 += a1 * x + b1 if x > 0 else b1
+        if now < d:
+            if acc0 + t0 < d:
+                total0 += W[i]
+            if acc1 + t0 < d:
+                total1 += W[i]
+    if k >= len(pos):                                  # req last
+        c = a1 * x_r + b1 if x_r > 0 else b1
+        start_req = acc1 - lag_ if acc1 > lag_ else 0.0
+        done_req = start_req + c
+        if done_req < d_r - now:
+            total1 += w_r
+    return total1 - total0, start_req, done_req
+
+
+def _insert_at(s: QueueSnapshot, order: str, now: float, pos: list[int], u: int, limit: float,
+               d_r: float, x_r: float, w_r: float) -> int:
+    """Where req goes in the walk ``pos``: after the requests it ties with."""
+    D = s.deadlines
+    if order == FCFS:
+        return len(pos)
+    if order == SLIDE and d_r < now + limit:
+        dr, dens = _density(w_r, x_r), s.dens
+        return next((k for k, i in enumerate(pos) if i >= u or dens[i] < dr), len(pos))
+    if order == DEADLINE:
+        return bisect_right(D, d_r)
+    return next((k for k, i in enumerate(pos) if D[i] > d_r and (order != SLIDE or i >= u)), len(pos))
 
 
 def _ordered_gain(s: QueueSnapshot, order: str, now: float, lag_: float, a: float, b: float,
@@ -341,15 +407,7 @@ def _ordered_gain(s: QueueSnapshot, order: str, now: float, lag_: float, a: floa
         raise ValueError(f"unknown queue order {order!r}; choose one of {', '.join(ORDERS)}")
     if req is not None:  # where req goes: after the requests it ties with
         d_r, x_r, w_r = req
-        if order == FCFS:
-            k = len(pos)
-        elif order == SLIDE and d_r < now + limit:
-            dr, dens = _density(w_r, x_r), s.dens
-            k = next((k for k, i in enumerate(pos) if i >= u or dens[i] < dr), len(pos))
-        else:
-            k = bisect_right(D, d_r) if order == DEADLINE else \
-                next((k for k, i in enumerate(pos) if D[i] > d_r and (order != SLIDE or i >= u)), len(pos))
-        pos.insert(k, -1)
+        pos.insert(_insert_at(s, order, now, pos, u if order == SLIDE else 0, limit, d_r, x_r, w_r), -1)
     total = acc = 0.0
     start_req = done_req = math.nan
     t0 = now - lag_   # a queued item done at max(acc − lag, 0) meets iff acc + t0 < deadline and now < deadline
