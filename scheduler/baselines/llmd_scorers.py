@@ -45,13 +45,14 @@ W_PREFIX, W_QUEUE, W_KV = 3.0, 2.0, 2.0
 
 
 def llmd_scores(req, prefills, w_prefix: float = W_PREFIX, w_queue: float = W_QUEUE,
-                w_kv: float = W_KV) -> dict[int, float]:
-    """Instance id -> ``w_prefix·prefix + w_queue·queue + w_kv·(1 − KV usage)`` (the module doc)."""
+                w_kv: float = W_KV, hits: list[int] | None = None) -> dict[int, float]:
+    """Instance id -> ``w_prefix·prefix + w_queue·queue + w_kv·(1 − KV usage)`` (the module doc);
+    ``hits``: each instance's ``expected_hit`` for req, where the caller has them already."""
     qs = {p.id: len(p.queue) for p in prefills}
     lo, hi = min(qs.values()), max(qs.values())
     scores = {}
-    for p in prefills:
-        s_prefix = expected_hit(p, req) / req.prompt_len
+    for k, p in enumerate(prefills):
+        s_prefix = (expected_hit(p, req) if hits is None else hits[k]) / req.prompt_len
         s_queue = 1.0 if hi == lo else (hi - qs[p.id]) / (hi - lo)
         s_kv = 1.0 - kv_usage(p)
         scores[p.id] = w_prefix * s_prefix + w_queue * s_queue + w_kv * s_kv

@@ -329,22 +329,13 @@ def _ordered_delta(s: QueueSnapshot, order: str, now: float, lag_: float, pre: t
     a0, b0, lim0 = pre
     a1, b1, lim1 = post
     D, X, W = s.deadlines, s.execs, s.weights
-    if order == SLIDE:
-        u = bisect_left(D, now + lim0)
-        if bisect_left(D, now + lim1) != u:
-            g0, _, _ = _ordered_gain(s, order, now, lag_, a0, b0, lim0)
-            g1, start, done = _ordered_gain(s, order, now, lag_, a1, b1, lim1, req)
-            return g1 - g0, start, done
-        pos = [i for i in s.by_density if i < u]
-        pos += range(u, len(D))
-    elif order == FCFS:
-        pos = list(s.seq)
-    elif order == DEADLINE:
-        pos = list(range(len(D)))
-    else:
-        raise ValueError(f"unknown queue order {order!r}; choose one of {', '.join(ORDERS)}")
+    if order == SLIDE and bisect_left(D, now + lim0) != bisect_left(D, now + lim1):
+        g0, _, _ = _ordered_gain(s, order, now, lag_, a0, b0, lim0)
+        g1, start, done = _ordered_gain(s, order, now, lag_, a1, b1, lim1, req)
+        return g1 - g0, start, done
+    pos, u = _walk(s, order, now, lim1)
     d_r, x_r, w_r = req
-    k = _insert_at(s, order, now, pos, u if order == SLIDE else 0, lim1, d_r, x_r, w_r)
+    k = _insert_at(s, order, now, pos, u, lim1, d_r, x_r, w_r)
     acc0 = acc1 = total0 = total1 = 0.0
     t0 = now - lag_
     for j, i in enumerate(pos):
@@ -373,6 +364,22 @@ def _ordered_delta(s: QueueSnapshot, order: str, now: float, lag_: float, pre: t
     return total1 - total0, start_req, done_req
 
 
+def _walk(s: QueueSnapshot, order: str, now: float, limit: float) -> tuple[list[int], int]:
+    """The queue's indices in the order ``order`` serves them, and (``"slide"``) how many lead
+    the remain order as URGENT (remain < ``limit``; 0 for the other orders)."""
+    D = s.deadlines
+    if order == FCFS:
+        return list(s.seq), 0
+    if order == SLIDE:
+        u = bisect_left(D, now + limit)                 # URGENT: remain < limit, a prefix of D
+        pos = [i for i in s.by_density if i < u]       # ... by density descending (line 13)
+        pos += range(u, len(D))                        # NORMAL by remain ascending
+        return pos, u
+    if order == DEADLINE:
+        return list(range(len(D))), 0
+    raise ValueError(f"unknown queue order {order!r}; choose one of {', '.join(ORDERS)}")
+
+
 def _insert_at(s: QueueSnapshot, order: str, now: float, pos: list[int], u: int, limit: float,
                d_r: float, x_r: float, w_r: float) -> int:
     """Where req goes in the walk ``pos``: after the requests it ties with."""
@@ -395,19 +402,10 @@ def _ordered_gain(s: QueueSnapshot, order: str, now: float, lag_: float, a: floa
     ``limit`` is the backlog φ judges URGENT against ("slide"). See the module doc,
     "Schedule-aware estimate"."""
     D, X, W = s.deadlines, s.execs, s.weights
-    if order == FCFS:
-        pos = list(s.seq)
-    elif order == SLIDE:
-        u = bisect_left(D, now + limit)                 # URGENT: remain < limit, a prefix of D
-        pos = [i for i in s.by_density if i < u]       # ... by density descending (line 13)
-        pos += range(u, len(D))                        # NORMAL by remain ascending
-    elif order == DEADLINE:
-        pos = list(range(len(D)))
-    else:
-        raise ValueError(f"unknown queue order {order!r}; choose one of {', '.join(ORDERS)}")
+    pos, u = _walk(s, order, now, limit)
     if req is not None:  # where req goes: after the requests it ties with
         d_r, x_r, w_r = req
-        pos.insert(_insert_at(s, order, now, pos, u if order == SLIDE else 0, limit, d_r, x_r, w_r), -1)
+        pos.insert(_insert_at(s, order, now, pos, u, limit, d_r, x_r, w_r), -1)
     total = acc = 0.0
     start_req = done_req = math.nan
     t0 = now - lag_   # a queued item done at max(acc − lag, 0) meets iff acc + t0 < deadline and now < deadline

@@ -190,9 +190,11 @@ class GoRouting(GlobalPolicy):
         light = [w - e.saved for w, e in zip(wait, ests)]
         # kv_fit: can p's free KV hold req's prompt (net of its cached prefix) now?
         rooms = [kv_room(p) for p in prefills] if self.kv_fit or self.fallback == "most_room" else None
+        # req's expected cached prefix per instance, looked up once where two rules read it
+        hits = [expected_hit(p, req) for p in prefills] if self.choose == "scorers" else None
         # (an unknown room, ∞, fits without looking the prefix up again)
-        fits = [r == math.inf or r >= req.remaining_prefill - expected_hit(p, req) for r, p in zip(rooms, prefills)] \
-            if self.kv_fit else None
+        fits = [r == math.inf or r >= req.remaining_prefill - (hits[i] if hits is not None else expected_hit(p, req))
+                for i, (r, p) in enumerate(zip(rooms, prefills))] if self.kv_fit else None
         delta_max = max(e.delta for e in ests)
         # line 8; the relative slack absorbs float noise in sums of equal weights
         thr = self.alpha * delta_max - 1e-9 * abs(delta_max)
@@ -209,7 +211,7 @@ class GoRouting(GlobalPolicy):
             if self.choose == "scorers":                                    # variant of lines 12-17
                 heavy = set(H)
                 pool = [i for i in C if i not in heavy] or C
-                best, branch = self._scored(req, prefills, pool), "scored"
+                best, branch = self._scored(req, prefills, pool, hits), "scored"
             elif L:                                                         # line 13: most idle in L
                 best, branch = min(L, key=lambda i: (light[i], tie[i])), "light"
             else:
@@ -227,7 +229,7 @@ class GoRouting(GlobalPolicy):
             if fits is not None and not all(fits) and self.choose != "scorers":
                 pool = [i for i in pool if fits[i]] or pool
             if self.choose == "scorers":                                    # variant of line 19
-                best = self._scored(req, prefills, pool)
+                best = self._scored(req, prefills, pool, hits)
             elif self.fallback == "min_load":                               # variant of line 19
                 best = min(pool, key=tie.__getitem__)
             elif self.fallback == "most_room":                              # variant of line 19
@@ -245,10 +247,10 @@ class GoRouting(GlobalPolicy):
             candidates=[ids[i] for i in C], light=[ids[i] for i in L], heavy=[ids[i] for i in H])
         return prefills[best]
 
-    def _scored(self, req, prefills, pool: list[int]) -> int:
+    def _scored(self, req, prefills, pool: list[int], hits: list[int]) -> int:
         """``choose="scorers"``: the index in ``pool`` with the highest llm-d weighted score
         (prefix, queue, free KV at llm-d's published weights; ``baselines.llmd_scorers``),
         ties at random."""
-        scores = llmd_scores(req, prefills)       # the queue score is relative to every instance
+        scores = llmd_scores(req, prefills, hits=hits)    # the queue score is relative to every instance
         chosen = pick_max([prefills[i] for i in pool], scores, self.rng)
         return next(i for i in pool if prefills[i] is chosen)
