@@ -586,7 +586,10 @@ class Dispatcher:
             # a fresh KV transfer id per attempt: the workers key their transfer state by it,
             # and a late outcome of the first attempt must not touch the second's
             xfer_id = f"{job.id}-{attempt}"
-            job.record.update(prefill=p.name, decode=d.name if d else None, attempts=attempt + 1, xfer_id=xfer_id)
+            # routed_at: when this attempt was routed (no await since the decision); a drain or
+            # resume answered before it applies to it, one answered after does not
+            job.record.update(prefill=p.name, decode=d.name if d else None, attempts=attempt + 1, xfer_id=xfer_id,
+                              routed_at=time.time())
             sent = False
             leg: Worker = p
             try:

@@ -346,6 +346,7 @@ def test_every_request_is_accounted_for_in_metrics_and_records(tmp_path):
     assert float(line.split()[-1]) == pytest.approx(gained)
     for r in recs:
         assert len(r["token_times"]) == r["output_tokens"]
+        assert r["arrival"] <= r["routed_at"] <= r["end"]   # when its instances were chosen
         if not r["stream"]:   # delivered at once
             assert len(set(r["token_times"])) == 1
 
