@@ -12,7 +12,16 @@ from proserve.scheduler.registry import global_names
 from proserve.scheduler.request import ConfigError
 from proserve.scheduler.tdg import GainConfig
 
-from .config import DecodeSpec, DispatcherConfig, PrefillSpec, check_local_policy, load_config, load_keys, read_file
+from .config import (
+    DecodeSpec,
+    DispatcherConfig,
+    PrefillSpec,
+    check_local_policy,
+    check_open_access,
+    load_config,
+    load_keys,
+    read_file,
+)
 
 EPILOG = """\
 examples:
@@ -67,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the flags below override it")
     ap.add_argument("--keys", help="API-key file (TOML or JSON): key -> client, class, allowed SLO ranges. "
                                    "Without it access is open (a warning is logged)")
-    ap.add_argument("--host", help="bind address (default 127.0.0.1; expose deliberately)")
+    ap.add_argument("--host", help="bind address (default 127.0.0.1; expose deliberately: another address "
+                                   "needs --keys, or --allow-open-access)")
+    ap.add_argument("--allow-open-access", action="store_true", default=None,
+                    help="listen on a non-loopback --host without --keys (any client that reaches the port "
+                         "may use any class; a trusted network only; config: allow_open_access = true)")
     ap.add_argument("--port", type=int, help="port (default 8000)")
     ap.add_argument("--prefill", action="append", default=[],
                     metavar="URL[,latency_model=PATH][,local_policy=NAME][,kv_events=ADDR][,publish=ADDR]",
@@ -168,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> DispatcherConfig:
     cfg = load_config(args.config) if args.config else DispatcherConfig()
-    for attr, flag in (("host", "host"), ("port", "port"), ("deployment", "deployment"),
+    for attr, flag in (("host", "host"), ("port", "port"), ("allow_open_access", "allow_open_access"),
+                       ("deployment", "deployment"),
                        ("global_policy", "global_policy"), ("default_class", "default_class"),
                        ("model", "model"), ("record_requests", "record_requests"),
                        ("health_interval_s", "health_interval"), ("health_timeout_s", "health_timeout"),
@@ -244,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         keys = load_keys(args.keys, cfg.classes) if args.keys else None
+        check_open_access(cfg, keys is not None)
         from .server import Dispatcher, create_app
         d = Dispatcher(cfg, keys)
     except ConfigError as e:

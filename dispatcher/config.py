@@ -6,7 +6,8 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
 * the **cluster config** (``--config``)::
 
       [dispatcher]
-      host = "127.0.0.1"            # loopback unless you mean it
+      host = "127.0.0.1"            # loopback unless you mean it: another address needs --keys
+      allow_open_access = false     # ... unless this is true (no client keys: anyone who reaches it)
       port = 8000
       global_policy = "go_routing"  # go_routing | min_load | round_robin | random | ...
       deployment = "disaggregated"  # or "colocated" (no decode pool: whole requests on one instance)
@@ -184,6 +185,9 @@ class DispatcherConfig:
     prefill: list[PrefillSpec] = field(default_factory=list)
     decode: list[DecodeSpec] = field(default_factory=list)
     model: str | None = None               # served model name; default: what the workers report
+    # without client keys (--keys) a non-loopback host is refused unless this is true (open access:
+    # any client that reaches the port may use any class; check_open_access)
+    allow_open_access: bool = False
     health_interval_s: float = 1.0
     health_failures: int = 3               # consecutive failed checks before an instance leaves the set
     health_timeout_s: float = 5.0          # /health and /metrics answer within this (progress excuses slow /health)
@@ -270,6 +274,7 @@ class DispatcherConfig:
         for i, d in enumerate(self.decode):
             check_kv_addr(d.kv_addr, f"{where}: decode[{i}].kv_addr")
         validate.boolean(where, "dispatcher.kv_events_insecure", self.kv_events_insecure)
+        validate.boolean(where, "dispatcher.allow_open_access", self.allow_open_access)
         if self.kv_events_keys is not None and (not isinstance(self.kv_events_keys, str) or not self.kv_events_keys):
             validate.fail(where, "dispatcher.kv_events_keys", "a directory", self.kv_events_keys)
         events: dict[str, int] = {}
@@ -462,7 +467,20 @@ def read_file(path: str | Path, allow_list: bool = False) -> dict | list:
     return data
 
 
-_DISPATCHER_KEYS = {"host", "port", "global_policy", "deployment", "default_class", "model",
+def check_open_access(cfg: DispatcherConfig, has_keys: bool, where: str = "dispatcher config") -> None:
+    """Secure by default: without client API keys every client may use every priority class,
+    so a dispatcher that would listen beyond loopback without ``--keys`` is refused at start-up
+    unless ``allow_open_access`` says it is meant (a trusted network). Loopback stays open for
+    local use, with the warning the dispatcher logs."""
+    from proserve.kvtransfer.auth import is_loopback_host
+    if has_keys or cfg.allow_open_access or is_loopback_host(cfg.host):
+        return
+    raise ConfigError(f"{where}: host {cfg.host!r} is not a loopback address and no client API keys are set: "
+                      f"pass --keys FILE (scripts/make_keys.sh makes one), or --allow-open-access "
+                      f"(config: allow_open_access = true) on a trusted network")
+
+
+_DISPATCHER_KEYS = {"host", "port", "allow_open_access", "global_policy", "deployment", "default_class", "model",
                     "health_interval_s", "health_failures", "health_timeout_s", "connect_timeout_s",
                     "request_timeout_s", "stream_idle_timeout_s", "max_body_mb", "header_timeout_s",
                     "body_timeout_s", "max_concurrent", "max_concurrent_per_key", "stream_queue_events",

@@ -141,6 +141,15 @@ def is_loopback(address: str) -> bool:
     host, sep, port = rest.rpartition(":")
     if not sep or not port:
         return False
+    return is_loopback_host(host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when an HTTP server bound to ``host`` cannot be reached from another host:
+    ``localhost``, 127.0.0.0/8, ``::1`` (bracketed or not). ``0.0.0.0``, ``::``, other
+    addresses and names are False."""
+    if not isinstance(host, str):
+        return False
     host = host.strip("[]")
     if host.lower() == "localhost":
         return True
@@ -215,4 +224,4 @@ def _valid_z85_key(key: bytes) -> bool:
         return False
 
 
-__all__ = ["generate_keys", "ServerKeys", "ClientKeys", "KeysError", "is_loopback"]
+__all__ = ["generate_keys", "ServerKeys", "ClientKeys", "KeysError", "is_loopback", "is_loopback_host"]

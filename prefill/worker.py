@@ -9,13 +9,13 @@ worker's PID is the server's and signals reach vLLM directly.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
+from proserve.kvtransfer.auth import is_loopback_host
 from proserve.scheduler import validate
 from proserve.scheduler.request import ConfigError
 
@@ -181,15 +181,6 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     ap.add_argument("vllm_args", nargs=argparse.REMAINDER,
                     help="anything after `--` is passed to vLLM's server unchanged")
     return ap
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_security(role: str, args) -> None:

@@ -13,7 +13,8 @@
 # waits until its /health answers 200 (a prefill and, disaggregated, a decode instance healthy),
 # at most -t SECONDS (default 120; 0: don't wait). If it exits or is not healthy in time, the
 # end of its log and its last /health answer are shown, it is stopped, and the exit status is 1.
-# Binds what the config says (default 127.0.0.1, loopback). --dry-run: check, print the
+# Binds what the config says (default 127.0.0.1, loopback; another address needs KEYS_FILE or
+# the dispatcher's --allow-open-access, as the dispatcher itself refuses). --dry-run: check, print the
 # command, start nothing. scripts/stop_pool.sh -d RUN_DIR [dispatcher] stops it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -51,7 +52,7 @@ addr=$(python3 - "${args[@]}" <<'EOF'
 import sys
 try:
     from proserve.dispatcher.cli import build_parser, config_from_args
-    from proserve.dispatcher.config import load_keys
+    from proserve.dispatcher.config import check_open_access, load_keys
     from proserve.scheduler.request import ConfigError
 except ImportError as e:
     print(f"error: cannot import the dispatcher ({e}): pip install -e '.[serve]'", file=sys.stderr)
@@ -61,6 +62,7 @@ try:
     cfg = config_from_args(args)
     if args.keys:
         load_keys(args.keys, cfg.classes)
+    check_open_access(cfg, bool(args.keys))   # a non-loopback host needs keys or --allow-open-access
 except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -387,6 +387,37 @@ def test_dispatcher_dry_run(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_dispatcher_beyond_loopback_needs_keys_or_open_access(tmp_path):
+    """Secure by default, as the workers' launchers: a dispatcher that would listen beyond
+    loopback without client keys serves every class to whoever reaches it, so the check
+    before start refuses it (exit 2, saying what to pass); keys, or the explicit
+    --allow-open-access (flag or config), let it through."""
+    pytest.importorskip("fastapi", reason="the dispatcher needs the [serve] extra")
+    cfg = write_config(tmp_path / "d.toml", 18000, "http://127.0.0.1:8100", "http://127.0.0.1:8200")
+    run = ["-c", str(cfg), "-d", str(tmp_path / "run"), "--dry-run"]
+    p = sh(str(SCRIPTS / "launch_dispatcher.sh"), *run, "--", "--host", "0.0.0.0")
+    assert p.returncode == 2 and "not a loopback address and no client API keys" in p.stderr, p.stderr
+    assert "--keys" in p.stderr and "--allow-open-access" in p.stderr
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nkey = "sk-test-000001"\nclient = "t"\nclass = "high"\n')
+    assert sh(str(SCRIPTS / "launch_dispatcher.sh"), *run, "-k", str(keys), "--", "--host", "0.0.0.0").returncode == 0
+    p = sh(str(SCRIPTS / "launch_dispatcher.sh"), *run, "--", "--host", "0.0.0.0", "--allow-open-access")
+    assert p.returncode == 0 and "http://0.0.0.0:18000" in p.stdout, p.stderr
+    opened = write_config(tmp_path / "o.toml", 18000, "http://127.0.0.1:8100", "http://127.0.0.1:8200",
+                          allow_open_access=True)
+    assert sh(str(SCRIPTS / "launch_dispatcher.sh"), "-c", str(opened), "-d", str(tmp_path / "run"), "--dry-run",
+              "--", "--host", "10.1.2.3").returncode == 0
+    for host in ("127.0.0.1", "localhost", "::1"):   # loopback stays open for local use
+        assert sh(str(SCRIPTS / "launch_dispatcher.sh"), *run, "--", "--host", host).returncode == 0, host
+    # the dispatcher itself refuses the same before it binds anything
+    from proserve.dispatcher.cli import main
+    assert main(["--config", str(cfg), "--host", "10.1.2.3"]) == 2
+    bad = write_config(tmp_path / "b.toml", 18000, "http://127.0.0.1:8100", "http://127.0.0.1:8200",
+                       allow_open_access="yes")
+    p = sh(str(SCRIPTS / "launch_dispatcher.sh"), "-c", str(bad), "-d", str(tmp_path / "run"), "--dry-run")
+    assert p.returncode == 2 and "allow_open_access" in p.stderr, p.stderr
+
+
 def test_stop_pool_leaves_a_stale_pid_of_another_program_alone(tmp_path):
     """A pids file outliving its workers (a crash, a reboot): the recorded pid now belongs to
     another program, which stop_pool.sh must not signal; a pid of 1 is never signalled."""
