@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="cluster config file (TOML or JSON): instances, classes, gain, policy; "
                                      "the flags below override it")
     ap.add_argument("--keys", help="API-key file (TOML or JSON): key -> client, class, allowed SLO ranges. "
-                                   "Without it access is open (a warning is logged)")
+                                   "Without it access is open (a warning is logged) and only a loopback --host "
+                                   "is allowed (see --allow-open-access)")
     ap.add_argument("--host", help="bind address (default 127.0.0.1; expose deliberately: another address "
                                    "needs --keys, or --allow-open-access)")
     ap.add_argument("--allow-open-access", action="store_true", default=None,
