@@ -54,12 +54,15 @@ through the dispatcher from the client host, and the script checks:
 
 With --membership (issue 15: workers join and leave at run time) a seventh namespace
 holds a second decode worker d1, started with the others but not in the dispatcher's
-config, and the dispatcher gets an admin key; while the workload runs the script, over
-the admin API (/admin/workers): adds d1 once a fifth of the requests are routed; once a
-third are, drains the prefill worker that took most of them and drains d0 (so that the
-new decode worker surely serves: with both idle, the decode pick's tie goes to d0);
-removes the drained prefill worker once it holds no request; resumes d0 once two thirds
-are routed and a third more since its drain. A further check:
+config, and the dispatcher gets an admin key. The replay then comes in two halves: while
+the first runs the script, over the admin API (/admin/workers), adds d1 once a tenth of
+the requests are routed; once a sixth are, drains the prefill worker that took most of
+them and drains d0 (so that the new decode worker surely serves: with both idle, the
+decode pick's tie goes to d0); then starts the second half, removes the drained prefill
+worker once it holds no request, and resumes d0 once every request is routed. So the
+second half is routed between the drains and the resume however slow the admin calls are
+on a loaded host (pacing the steps by the replay alone left that window empty in CI).
+A further check:
 
   membership   every admin call answered as it should (201, 200, DELETE 200 once the
                worker showed 0 requests, and it is gone from the list); no request that
@@ -562,27 +565,39 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
     # workload and checks ----------------------------------------------------------------------
     def workload(self) -> None:
         n, k = self.a.requests, len(self.disp_urls)
-        shares = [n // k + (1 if i < n % k else 0) for i in range(k)]   # the replay split over the dispatchers
+        # --membership: two halves, the second started by the scenario once the drains are answered
+        halves = [n - n // 2, n // 2] if self.a.membership else [n]
         procs, outs = [], []
         log(f"replaying {n} priority-tagged requests (Azure trace at {self.a.rate} req/s, two classes, half "
-            f"streamed) from {self.net.ns('cli')} through {', '.join(self.disp_urls)}")
+            f"streamed) from {self.net.ns('cli')} through {', '.join(self.disp_urls)}"
+            + (f", in two parts of {halves[0]} and {halves[1]}" if len(halves) > 1 else ""))
         t0 = time.monotonic()
         deadline = t0 + self.a.workload_timeout
-        try:
+
+        def start(part: int) -> None:
+            """A load generator per dispatcher for this part of the replay, at the whole rate."""
+            size = halves[part]
+            shares = [size // k + (1 if i < size % k else 0) for i in range(k)]   # split over the dispatchers
             for i, (url, m) in enumerate(zip(self.disp_urls, shares)):
-                lg = self.out / ("loadgen" if i == 0 else f"loadgen{i + 1}")
+                if m == 0:
+                    continue
+                sfx = ("" if i == 0 else str(i + 1)) + ("" if part == 0 else f"-part{part + 1}")
+                lg = self.out / f"loadgen{sfx}"
                 cmd = [*self.net.exec("cli"), self.py, "-m", "proserve.bench.loadgen", "--url", url,
                        "--api", "proserve", "--keys", str(self.keys), "--num-requests", str(m),
-                       "--rate", str(self.a.rate * m / n), "--prompt-div", "4", "--output-div", "8",
-                       "--max-prompt", "512", "--stream-fraction", "0.5", "--seed", str(15 + i), "--out", str(lg),
-                       "--quiet", "--no-plots", "--timeout", "300"]
+                       "--rate", str(self.a.rate * m / size), "--prompt-div", "4", "--output-div", "8",
+                       "--max-prompt", "512", "--stream-fraction", "0.5", "--seed", str(15 + i + 100 * part),
+                       "--out", str(lg), "--quiet", "--no-plots", "--timeout", "300"]
                 # its output to files (nothing to drain while the membership steps run beside it)
-                sfx = "" if i == 0 else str(i + 1)
                 with open(self.out / f"loadgen{sfx}.log", "w") as err, open(self.out / f"loadgen{sfx}.out", "w") as o:
                     procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=err, text=True))
                 outs.append((lg, self.out / f"loadgen{sfx}.out"))
+
+        try:
+            start(0)
             if self.a.membership:
-                self.membership_scenario(lambda: all(p.poll() is not None for p in procs), deadline)
+                self.membership_scenario(lambda: all(p.poll() is not None for p in procs), deadline,
+                                         lambda: start(1))
             for p in procs:
                 try:
                     p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -665,13 +680,15 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
             out[name] = out.get(name, 0.0) + v
         return out
 
-    def membership_scenario(self, finished, deadline: float) -> None:
-        """While the load generator runs, through the admin API of every dispatcher: add decode
-        worker d1 once a fifth of the requests are routed; once a third are, drain the prefill
-        worker that took most of them and drain d0 (the new decode worker replaces it for a
-        while, so that d1 surely serves requests: with both idle the decode pick's tie goes to
-        d0); remove the drained prefill worker once it holds no request; resume d0 once two
-        thirds are routed and a third more since its drain."""
+    def membership_scenario(self, finished, deadline: float, second_half) -> None:
+        """While the first half of the replay runs, through the admin API of every dispatcher:
+        add decode worker d1 once a tenth of the requests are routed; once a sixth are, drain
+        the prefill worker that took most of them and drain d0 (the new decode worker replaces
+        it for a while, so that d1 surely serves requests: with both idle the decode pick's tie
+        goes to d0); then start the second half (``second_half()``), remove the drained prefill
+        worker once it holds no request, and resume d0 once every request is routed. The second
+        half is sent after both drains were answered and routed before the resume is sent, so
+        the checks below have requests to look at whatever the timing."""
         h, n = self.net.hosts, self.a.requests
         res = self.membership = {"steps": []}
 
@@ -703,11 +720,11 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
                     raise Failed(f"membership: {what} at {url}: HTTP {code}: {str(data)[:500]}")
             return at
 
-        wait_routed(max(1, n // 5), "to add the decode worker")
+        wait_routed(max(1, n // 10), "to add the decode worker")
         res["added_at"] = on_all("add decode worker d1", "POST", "/admin/workers", 201, {
             "role": "decode", "name": "d1", "url": f"http://{h['d1']}:{self.http_port['d1']}",
             "kv_addr": f"tcp://{h['d1']}:{self.kv_port}"})
-        routed = wait_routed(max(2, n // 3), "to drain a prefill worker")
+        routed = wait_routed(max(2, n // 6), "to drain a prefill worker")
         names = {w.get("url"): w.get("name") for w in self.workers()}
         prefill_names = [names[f"http://{h[r]}:{self.http_port[r]}"] for r in self.prefills]
         name = max(prefill_names, key=lambda x: routed.get(x, 0.0))   # the busiest: its drain matters
@@ -715,8 +732,8 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
         # requests routed from here on never go to `name`, nor decode on d0 (until its resume)
         res["drained_at"] = on_all(f"drain {name}", "POST", f"/admin/workers/{name}/drain", 200)
         res["d0_drained_at"] = on_all("drain d0", "POST", "/admin/workers/d0/drain", 200)
-        routed_d0 = self.routed()
-        res["routed_when_d0_drained"] = sum(routed_d0.values())   # of n: the rest land in the window
+        res["routed_when_d0_drained"] = sum(self.routed().values())
+        second_half()   # sent from here on: routed after both drains
         res["state_after_drain"] = sorted({w.get("state") for url in self.disp_urls
                                            for w in self.workers(url) if w.get("name") == name})
         # remove it once its requests have ended (the safe sequence: drain, wait for 0, delete)
@@ -736,11 +753,9 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
                 raise Failed(f"membership: DELETE {name} at {url}: HTTP {code}: {str(data)[:500]}")
         res["requests_on_drained_seen"] = sorted({x for x in held if x is not None})
         res["listed_after_delete"] = sorted({w.get("name") for url in self.disp_urls for w in self.workers(url)})
-        # resume d0 once enough requests were routed while it was drained (a third of them, at
-        # least two thirds routed in all), so that the check below has requests to look at:
-        # those counted after routed_d0 (read once both drains were answered) were routed
-        # inside the window the check reads
-        wait_routed(min(n, max(3, 2 * n // 3, int(sum(routed_d0.values())) + n // 3 + 2)), "to resume d0")
+        # resume d0 once every request is routed: the second half was, inside the window the
+        # check reads (a retry counts twice, and may let this pass a moment sooner)
+        wait_routed(n, "to resume d0")
         res["d0_resumed_at"] = on_all("resume d0", "POST", "/admin/workers/d0/resume", 200)
 
     def membership_check(self) -> None:
