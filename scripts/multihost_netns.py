@@ -763,10 +763,8 @@ kv_addr = "tcp://{h['d0']}:{self.kv_port}"
         after the dispatcher answered the drain went to the drained prefill worker, and none
         routed between its answer to d0's drain and the sending of d0's resume decoded on d0.
         By the time a request was routed (its record's ``routed_at``), which is what a drain
-        governs. Its arrival only bounds that from below: the check by arrival needed a grace
-        before the resume (1 s), and on a loaded host, where the admin calls and scrapes take
-        seconds and the resume follows the drain closely, the grace could swallow the whole
-        window (CI, 2026-11-27: no request in it)."""
+        governs: its arrival only bounds that from below, so a check by arrival needs a grace
+        before the resume, and on a loaded host a grace can swallow the whole window."""
         res = self.membership
         name = res.get("drained")
         after, window, drecs = [], [], []
