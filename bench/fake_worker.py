@@ -92,6 +92,7 @@ class FakeWorker:
     pad_bytes: int = 0
     hold: asyncio.Event | None = None   # generation requests wait for it (tests: keep requests in flight)
     metrics_text: str | None = None     # /metrics answers this instead (malformed-answer tests)
+    tokenize_status: int | None = None  # /tokenize answers this status with an error body instead
     keep_bodies: bool = True
     received: list = field(default_factory=list)
     auth_seen: list = field(default_factory=list)
@@ -138,6 +139,10 @@ class FakeWorker:
             f'vllm:kv_cache_usage_perc{{engine="0"}} {self.usage}\n'))
 
     async def tokenize(self, request):
+        if self.tokenize_status is not None:
+            return web.json_response({"error": {"message": f"tokenize failed ({self.tokenize_status})",
+                                                "type": "BadRequestError", "param": None,
+                                                "code": self.tokenize_status}}, status=self.tokenize_status)
         body = await request.json()
         if "messages" in body:
             # a made-up chat template: 3 tokens around each message (its role), 1 to start the answer

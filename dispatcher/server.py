@@ -141,6 +141,8 @@ UPSTREAM_KEEP_ALIVE_S = 30
 #: seconds the dispatcher keeps a client's idle connection
 CLIENT_KEEP_ALIVE_S = 75
 _WORKER_KEY_REJECTED = "the worker rejected the dispatcher's worker key (HTTP 401)"
+#: /tokenize answers that mean the prompt or messages are at fault, not the worker
+_CLIENT_TOKENIZE_ERRORS = frozenset({400, 413, 422})
 #: an unstreamed answer (or /tokenize's) larger than this is the worker's error: the
 #: dispatcher holds at most this much of one in memory
 MAX_ANSWER_BYTES = 256 * 1024 * 1024
@@ -273,26 +275,28 @@ class Dispatcher:
         live = self.registry.live_prefill()
         if not live:
             raise ApiError(503, "no healthy prefill instance to count the prompt's tokens")
-        last = ""
+        # round robin over the live workers; a failed answer is retried once on the next one
+        start = self._tokenize_rr
+        self._tokenize_rr += 1
+        failures: list[str] = []
         for k in range(min(2, len(live))):
-            w = live[(self._tokenize_rr + k) % len(live)]
+            w = live[(start + k) % len(live)]
             try:
                 async with self.http.post(w.url + "/tokenize", json=body, timeout=_TOKENIZE_TIMEOUT) as r:
                     status, content = r.status, await read_capped(r, MAX_ANSWER_BYTES)
             except AnswerTooLarge as e:
-                last = f"{w.name}: {e}"
+                failures.append(f"{w.name}: {e}")
                 continue
             except asyncio.TimeoutError as e:   # slow, not dead (aiohttp's read timeouts included)
-                last = f"{w.name}: {type(e).__name__}: {e}"
+                failures.append(f"{w.name}: {type(e).__name__}: {e}")
                 continue
             except _CONN_ERRORS as e:
                 self._connection_failed(w, e)
-                last = f"{w.name}: {type(e).__name__}"
+                failures.append(f"{w.name}: {type(e).__name__}")
                 continue
             except aiohttp.ClientError as e:
-                last = f"{w.name}: {type(e).__name__}: {e}"
+                failures.append(f"{w.name}: {type(e).__name__}: {e}")
                 continue
-            self._tokenize_rr += 1
             if status == 200:
                 try:
                     answer = json.loads(content)
@@ -300,7 +304,7 @@ class Dispatcher:
                     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                         raise ValueError(f"count {count!r}")
                 except (ValueError, KeyError, TypeError, RecursionError) as e:
-                    last = f"{w.name}: bad /tokenize answer: {type(e).__name__}: {e}"
+                    failures.append(f"{w.name}: bad /tokenize answer: {type(e).__name__}: {e}")
                     continue
                 job.prompt_len = count
                 # vLLM's answer carries the ids too (TokenizeResponse.tokens): the prompt's prefix
@@ -312,16 +316,19 @@ class Dispatcher:
                 return
             if status == 401:
                 self.registry.key_rejected(w, "/tokenize answered 401")
-                last = f"{w.name}: {_WORKER_KEY_REJECTED}"
+                failures.append(f"{w.name}: {_WORKER_KEY_REJECTED}")
                 continue
             msg = _error_message_bytes(content)
-            if 400 <= status < 500:
+            # the worker judged the body (400, 413, 422): the client's error. Any other status,
+            # 4xx included (404: no /tokenize there, 429: busy), is the worker's: the next one
+            # is tried, then 502 (the model name was checked before: 404 is not "no such model")
+            if status in _CLIENT_TOKENIZE_ERRORS:
                 raise ApiError(400, f"cannot tokenize the {'messages' if job.is_chat else 'prompt'}: {msg}"
                                     + (" (does the model have a tokenizer? without one, send token ids)"
                                        if "tokenizer" in msg.lower() else ""),
                                param="messages" if job.is_chat else "prompt")
-            last = f"{w.name}: HTTP {status}: {msg}"
-        raise ApiError(502, f"could not count the prompt's tokens: {last}")
+            failures.append(f"{w.name}: HTTP {status}: {msg}")
+        raise ApiError(502, f"could not count the prompt's tokens: {'; '.join(failures)}")
 
     # -- routing ---------------------------------------------------------------------------------
     def _no_instance(self, role: str, bad: set[str]) -> ApiError:

@@ -639,6 +639,32 @@ def test_the_worker_key_goes_with_every_upstream_call(tmp_path):
     run(go())
 
 
+def test_tokenize_errors_blame_the_client_only_for_its_prompt():
+    """A worker's /tokenize answering 404 (no such endpoint there) or 429 (busy) is the
+    worker's problem: the next worker is asked, and if none can count, 502. Only 400 / 413 /
+    422 (the worker judged the prompt) are answered as the client's 400. Was: every 4xx a 400."""
+    text = {"prompt": "a b c", "max_tokens": 2}
+
+    async def go():
+        async with harness(n_prefill=2, colocated=True) as h:
+            h.prefills[0].tokenize_status = 404
+            h.prefills[1].tokenize_status = 429
+            r = await h.post("/v1/completions", text)
+            assert r.status_code == 502, r.text
+            msg = r.json()["error"]["message"]
+            assert "count the prompt's tokens" in msg and "HTTP 404" in msg and "HTTP 429" in msg
+            assert not any(w.received for w in h.prefills)             # nothing was generated
+            h.prefills[1].tokenize_status = None                       # one worker can count: served
+            for _ in range(2):                                         # whichever is asked first
+                assert (await h.post("/v1/completions", text)).status_code == 200
+            for bad in (400, 422):
+                h.prefills[0].tokenize_status = h.prefills[1].tokenize_status = bad
+                r = await h.post("/v1/completions", text)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert all(w.healthy for w in h.d.registry.prefill)        # none of this is a dead worker
+    run(go())
+
+
 def test_a_worker_rejecting_the_key_is_a_configuration_error_not_the_clients(caplog):
     async def go():
         async with harness(health_interval_s=30, n_decode=1) as h:   # no health check during the test
