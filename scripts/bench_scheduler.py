@@ -86,7 +86,7 @@ def bench_local(sizes, repeat: int) -> None:
         times = {}
         for name in ("slide_batching", "sarathi_fcfs"):
             pol = make_local(name, Estimator(MODEL), GAIN)
-            times[name] = _median_time(lambda: pol.schedule(view), repeat if n < 10000 else max(5, repeat // 10))
+            times[name] = _median_time(lambda pol=pol, view=view: pol.schedule(view), repeat if n < 10000 else max(5, repeat // 10))
         s, b = times["slide_batching"], times["sarathi_fcfs"]
         mark = "  <- target" if n == 1000 else ""
         print(f"{n:>8} {s * 1e3:>12.3f} ms {b * 1e3:>10.3f} ms {s / b:>6.1f}{mark}"
@@ -112,7 +112,7 @@ def bench_global(sizes, per_queue: int, routes: int) -> None:
             indexed = label in ("index", "scorers")
             cache = 107_200 if indexed else 0                # the bundled model's KV memory, in tokens
 
-            def blocks():
+            def blocks(indexed=indexed, rng=rng):      # bound now: used in this iteration only
                 if not indexed:
                     return {}
                 conv = rng.randrange(200)
