@@ -93,6 +93,7 @@ class FakeWorker:
     hold: asyncio.Event | None = None   # generation requests wait for it (tests: keep requests in flight)
     metrics_text: str | None = None     # /metrics answers this instead (malformed-answer tests)
     tokenize_status: int | None = None  # /tokenize answers this status with an error body instead
+    tokenize_message: str | None = None  # ... whose message is this (default: names the status)
     keep_bodies: bool = True
     received: list = field(default_factory=list)
     auth_seen: list = field(default_factory=list)
@@ -140,8 +141,8 @@ class FakeWorker:
 
     async def tokenize(self, request):
         if self.tokenize_status is not None:
-            return web.json_response({"error": {"message": f"tokenize failed ({self.tokenize_status})",
-                                                "type": "BadRequestError", "param": None,
+            msg = self.tokenize_message or f"tokenize failed ({self.tokenize_status})"
+            return web.json_response({"error": {"message": msg, "type": "TokenizeError", "param": None,
                                                 "code": self.tokenize_status}}, status=self.tokenize_status)
         body = await request.json()
         if "messages" in body:

@@ -98,7 +98,7 @@ from .instances import (
     read_capped,
 )
 from .kv_events import KVEventHub
-from .limits import ConcurrencyLimiter
+from .limits import RETRY_AFTER_S, ConcurrencyLimiter
 from .membership import Membership, add_admin_routes
 from .metrics import Metrics
 from .publication import Publications
@@ -279,6 +279,7 @@ class Dispatcher:
         start = self._tokenize_rr
         self._tokenize_rr += 1
         failures: list[str] = []
+        busy: list[bool] = []                # per HTTP failure: 429 or 503
         for k in range(min(2, len(live))):
             w = live[(start + k) % len(live)]
             try:
@@ -328,7 +329,12 @@ class Dispatcher:
                                        if "tokenizer" in msg.lower() else ""),
                                param="messages" if job.is_chat else "prompt")
             failures.append(f"{w.name}: HTTP {status}: {msg}")
-        raise ApiError(502, f"could not count the prompt's tokens: {'; '.join(failures)}")
+            busy.append(status in (429, 503))
+        why = "; ".join(failures)
+        if busy and all(busy) and len(busy) == len(failures):   # every worker asked said "busy"
+            raise ApiError(503, f"the workers are too busy to count the prompt's tokens: {why}",
+                           headers={"retry-after": str(RETRY_AFTER_S)})
+        raise ApiError(502, f"could not count the prompt's tokens: {why}")
 
     # -- routing ---------------------------------------------------------------------------------
     def _no_instance(self, role: str, bad: set[str]) -> ApiError:
@@ -717,17 +723,27 @@ def _headers(job: Job | fanout.FanOut) -> dict[str, str]:
     return h
 
 
+#: characters of a worker's error message passed on to the client
+MAX_WORKER_MESSAGE = 500
+
+
 def _error_message_bytes(content: bytes) -> str:
+    """The message of a worker's error body (OpenAI / FastAPI JSON, else the raw text),
+    at most MAX_WORKER_MESSAGE characters: a worker's error never sizes the client's."""
     try:
         data = json.loads(content)
     except (ValueError, RecursionError):
-        return content[:500].decode("utf-8", "replace")
+        return _clip(content[:MAX_WORKER_MESSAGE].decode("utf-8", "replace"))
     if isinstance(data, dict):
         err = data.get("error", data)
         if isinstance(err, dict):
-            return str(err.get("message") or err.get("detail") or err)
-        return str(err)
-    return str(data)[:500]
+            return _clip(str(err.get("message") or err.get("detail") or err))
+        return _clip(str(err))
+    return _clip(str(data))
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_WORKER_MESSAGE else text[:MAX_WORKER_MESSAGE - 1] + "…"
 
 
 def _answer_problem(item: dict) -> str | None:

@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 from dispatcher_helpers import RawConn, harness, metric, post_head, run, until
 
+from proserve.dispatcher import server as server_mod
 from proserve.dispatcher.config import (
     ConfigError,
     DecodeSpec,
@@ -654,6 +655,10 @@ def test_tokenize_errors_blame_the_client_only_for_its_prompt():
             msg = r.json()["error"]["message"]
             assert "count the prompt's tokens" in msg and "HTTP 404" in msg and "HTTP 429" in msg
             assert not any(w.received for w in h.prefills)             # nothing was generated
+            h.prefills[0].tokenize_status = 503                        # every worker busy: 503 + Retry-After
+            r = await h.post("/v1/completions", text)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "too busy" in r.json()["error"]["message"]
             h.prefills[1].tokenize_status = None                       # one worker can count: served
             for _ in range(2):                                         # whichever is asked first
                 assert (await h.post("/v1/completions", text)).status_code == 200
@@ -662,6 +667,24 @@ def test_tokenize_errors_blame_the_client_only_for_its_prompt():
                 r = await h.post("/v1/completions", text)
                 assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
             assert all(w.healthy for w in h.d.registry.prefill)        # none of this is a dead worker
+    run(go())
+
+
+def test_a_workers_error_message_is_clipped_before_it_reaches_the_client():
+    """A worker's 500 with a 5 MB message: the client's 502 names it in at most
+    MAX_WORKER_MESSAGE characters per worker (was: the whole message, once per worker)."""
+    async def go():
+        async with harness(n_prefill=2, colocated=True) as h:
+            huge = "x" * 5_000_000
+            for w in h.prefills:
+                w.tokenize_status, w.tokenize_message = 500, huge
+            _error = server_mod._error_message_bytes
+            assert len(_error(json.dumps({"error": {"message": huge}}).encode())) == server_mod.MAX_WORKER_MESSAGE
+            assert len(_error(json.dumps({"detail": huge}).encode())) == server_mod.MAX_WORKER_MESSAGE
+            assert len(_error(huge.encode())) == server_mod.MAX_WORKER_MESSAGE
+            assert _error(b'{"error": {"message": "short"}}') == "short"
+            r = await h.post("/v1/completions", {"prompt": "a b c", "max_tokens": 2})
+            assert r.status_code == 502 and len(r.content) < 4 * server_mod.MAX_WORKER_MESSAGE, r.text
     run(go())
 
 
