@@ -322,7 +322,7 @@ class Dispatcher:
             msg = _error_message_bytes(content)
             # the worker judged the body (400, 413, 422): the client's error. Any other status,
             # 4xx included (404: no /tokenize there, 429: busy), is the worker's: the next one
-            # is tried, then 502 (the model name was checked before: 404 is not "no such model")
+            # is tried, then 502 (make_job checked the model name whenever the dispatcher knows it)
             if status in _CLIENT_TOKENIZE_ERRORS:
                 raise ApiError(400, f"cannot tokenize the {'messages' if job.is_chat else 'prompt'}: {msg}"
                                     + (" (does the model have a tokenizer? without one, send token ids)"
