@@ -196,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         base = Path(os.path.commonpath([f.parent for f in files])).parent
         groups: dict[str, list[dict[str, ClassCheck]]] = {}
         for f in files:
+            records = read_records(f)                       # its errors name the file
             try:
-                checks = check_run(read_records(f), args.capacity, args.age_limit, args.window, args.strict)
+                checks = check_run(records, args.capacity, args.age_limit, args.window, args.strict)
             except RecordError as e:
-                raise RecordError(f"{f}: {e}" if str(f) not in str(e) else str(e)) from None
+                raise RecordError(f"{f}: {e}") from None
             parts = f.parent.relative_to(base).parts
             if not args.per_run:
                 parts = tuple(x for x in parts if not RUN_DIR.fullmatch(x))

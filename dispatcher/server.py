@@ -279,7 +279,7 @@ class Dispatcher:
         start = self._tokenize_rr
         self._tokenize_rr += 1
         failures: list[str] = []
-        busy: list[bool] = []                # per HTTP failure: 429 or 503
+        n_busy = 0                           # failures that were a 429 or 503
         for k in range(min(2, len(live))):
             w = live[(start + k) % len(live)]
             try:
@@ -329,9 +329,9 @@ class Dispatcher:
                                        if "tokenizer" in msg.lower() else ""),
                                param="messages" if job.is_chat else "prompt")
             failures.append(f"{w.name}: HTTP {status}: {msg}")
-            busy.append(status in (429, 503))
+            n_busy += status in (429, 503)
         why = "; ".join(failures)
-        if busy and all(busy) and len(busy) == len(failures):   # every worker asked said "busy"
+        if n_busy == len(failures):                              # every worker asked said "busy"
             raise ApiError(503, f"the workers are too busy to count the prompt's tokens: {why}",
                            headers={"retry-after": str(RETRY_AFTER_S)})
         raise ApiError(502, f"could not count the prompt's tokens: {why}")
