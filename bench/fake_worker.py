@@ -24,8 +24,10 @@ as vLLM's do.
 
 More knobs for the dispatcher's failure handling:
 
-* ``health_delay_s`` / ``metrics_delay_s``: ``/health`` / ``/metrics`` answer
-  that late (a busy worker);
+* ``health_delay_s`` / ``metrics_delay_s`` / ``tokenize_delay_s``: ``/health`` /
+  ``/metrics`` / ``/tokenize`` answer that late (a busy worker);
+  ``tokenize_status`` (and ``tokenize_message``): ``/tokenize`` answers that
+  status with an error body;
 * ``require_key``: every endpoint demands ``Authorization: Bearer <key>`` (401
   otherwise, like vLLM's ``--api-key``); ``auth_seen`` lists (path, header)
   of every request it got;
@@ -86,6 +88,7 @@ class FakeWorker:
     fail_after_tokens: int = 0
     health_delay_s: float = 0.0
     metrics_delay_s: float = 0.0
+    tokenize_delay_s: float = 0.0
     require_key: str | None = None
     kv_error: str | None = None
     kv_failed_dest: str | None = None
@@ -140,6 +143,8 @@ class FakeWorker:
             f'vllm:kv_cache_usage_perc{{engine="0"}} {self.usage}\n'))
 
     async def tokenize(self, request):
+        if self.tokenize_delay_s:
+            await asyncio.sleep(self.tokenize_delay_s)
         if self.tokenize_status is not None:
             msg = self.tokenize_message or f"tokenize failed ({self.tokenize_status})"
             return web.json_response({"error": {"message": msg, "type": "TokenizeError", "param": None,

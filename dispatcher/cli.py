@@ -62,7 +62,9 @@ the admin API adds, drains and removes workers at run time; without it /admin/* 
 A drained worker takes no new requests and finishes its own; DELETE answers 409 while requests run
 there (?force=true removes it anyway and lets them finish there). [[discover]] entries in the config
 (role, host, port, kv_port, interval_s) re-resolve a DNS name (a Kubernetes headless service) and
-add/drain/remove workers as its addresses change; see dispatcher/membership.py.
+add/drain/remove workers as its addresses change; see dispatcher/membership.py. A worker added
+there gets the worker key and the prompts routed to it: --worker-hosts 10.0.0.0/8,*.svc.cluster.local
+limits where such workers may be (others: 403, and discovery logs them and leaves them out).
 """
 
 
@@ -148,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admin-key-file", metavar="PATH",
                     help="file holding the admin API key (16+ characters; not a client key): turns on "
                          "/admin/workers to add, drain and remove workers at run time (default: off, 403)")
+    ap.add_argument("--worker-hosts", metavar="HOST[,HOST...]",
+                    type=lambda v: [h.strip() for h in v.split(",") if h.strip()],
+                    help="where workers added at run time (admin API, discovery) may be: IP addresses, "
+                         "networks (10.0.0.0/8), DNS names and *.suffix patterns, matched against the host of "
+                         "each of their addresses (URL, kv_addr, kv_events, publish) as written; others get 403 "
+                         "(default: anywhere; config: worker_hosts)")
     ap.add_argument("--no-prefix-index", dest="prefix_index", action="store_false", default=None,
                     help="keep no index of the prefill workers' prefix caches: route as if no prompt were "
                          "cached (default: an index of the prompts' KV blocks routed to each worker, sized by "
@@ -195,6 +203,7 @@ def config_from_args(args) -> DispatcherConfig:
                        ("shutdown_timeout_s", "shutdown_timeout"),
                        ("worker_api_key_file", "worker_key_file"), ("prefix_index", "prefix_index"),
                        ("admin_key_file", "admin_key_file"), ("latency_model", "latency_model"),
+                       ("worker_hosts", "worker_hosts"),
                        ("kv_events_keys", "kv_events_keys"),
                        ("publication_keys", "publication_keys"),
                        ("publication_interval_s", "publication_interval"),

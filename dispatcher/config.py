@@ -29,6 +29,9 @@ Two files, both TOML (``.toml``) or JSON (``.json``):
       shutdown_timeout_s = 30.0     # on SIGINT/SIGTERM, requests in progress get this long to finish
       worker_api_key_file = "worker.key"  # optional: the key the workers demand (relative: to this file)
       admin_key_file = "admin.key"  # optional: turns on the admin API (/admin/workers); default off
+      worker_hosts = ["10.0.0.0/8", "*.proserve.svc.cluster.local"]   # optional: where workers added
+                                    # at run time (admin API, discovery) may be: IPs, networks, DNS
+                                    # names, *.suffix; every address of theirs is checked (default: anywhere)
       latency_model = "models/x.json"   # optional: for prefill workers added at run time
       prefix_index = true           # keep an index of each prefill worker's prefix cache from the
                                     # prompts routed there (issue 14); false: route as if none caches
@@ -99,6 +102,7 @@ Every error names the file and the entry (``cluster.toml: prefill[1].url: ...``)
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -209,6 +213,10 @@ class DispatcherConfig:
     shutdown_timeout_s: float = 30.0       # on shutdown, how long requests in progress may still run
     worker_api_key_file: str | None = None  # file holding the key the workers demand (else $PROSERVE_WORKER_API_KEY)
     admin_key_file: str | None = None      # file holding the admin API key; None: the admin API is off
+    # where workers added at run time (admin API, discovery) may be: IP addresses, networks
+    # (10.0.0.0/8), DNS names and *.suffix patterns, matched against the host of each of their
+    # addresses as written (names are not resolved); empty: anywhere. Configured workers are not checked
+    worker_hosts: list[str] = field(default_factory=list)
     latency_model: str | None = None       # latency model of prefill workers added at run time that name none
     discover: list[DiscoverSpec] = field(default_factory=list)   # DNS discovery ([[discover]])
     record_requests: str | None = None     # JSONL of per-request records
@@ -254,6 +262,7 @@ class DispatcherConfig:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 validate.fail(where, f"dispatcher.{k}", "a file path", v)
+        check_worker_hosts(self.worker_hosts, f"{where}: dispatcher.worker_hosts")
         for i, s in enumerate(self.discover):
             check_discover(s, self.deployment, f"{where}: discover[{i}]")
         if self.default_class is not None:
@@ -444,6 +453,75 @@ def check_kv_addr(addr: Any, where: str) -> str:
     return addr
 
 
+def check_worker_hosts(v: Any, where: str) -> list[str]:
+    """``dispatcher.worker_hosts``: a list of IP addresses, networks (CIDR), DNS names and
+    ``*.suffix`` patterns (lower-cased in place)."""
+    if not isinstance(v, list) or len(v) > 1024:
+        raise ConfigError(f"{where}: must be a list of hosts, networks or *.suffix patterns, got {v!r:.80}")
+    for i, h in enumerate(v):
+        if not isinstance(h, str) or not h or len(h) > 255:
+            raise ConfigError(f"{where}[{i}]: expected a host, a network or *.suffix, got {h!r:.80}")
+        if "/" in h:
+            try:
+                ipaddress.ip_network(h, strict=False)
+            except ValueError:
+                raise ConfigError(f"{where}[{i}]: {h!r:.80} is not a network like 10.0.0.0/8") from None
+        elif not _is_ip(h.strip("[]")) and not _HOST_RE.fullmatch(h.removeprefix("*.")):
+            raise ConfigError(f"{where}[{i}]: {h!r:.80} is not an IP address, a DNS name or *.suffix")
+        v[i] = h.lower()
+    return v
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def address_host(addr: str) -> str | None:
+    """The host of a worker address: an HTTP(S) URL's, or a ``tcp://HOST:PORT`` ZeroMQ
+    address's (lower case, no brackets); None for ``ipc://`` and ``inproc://`` (this host's
+    own sockets); "" when there is none to read (so no allow-list admits it)."""
+    if addr.startswith(("ipc://", "inproc://")):
+        return None
+    if addr.startswith("tcp://"):
+        host, sep, _ = addr[len("tcp://"):].rpartition(":")
+        return host.strip("[]").lower() if sep else ""
+    try:
+        return urlparse(addr).hostname or ""
+    except ValueError:
+        return ""
+
+
+def host_allowed(host: str, allowed: list[str]) -> bool:
+    """Is ``host`` (as written: an IP address or a name, not resolved) among ``allowed``
+    (:func:`check_worker_hosts`'s patterns)? An IP matches an equal address or a network
+    holding it; a name matches itself or a ``*.suffix`` it ends with."""
+    host = host.strip("[]").lower()
+    if not host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    for pat in allowed:
+        if ip is not None:
+            if "/" in pat:
+                net = ipaddress.ip_network(pat, strict=False)
+                if ip.version == net.version and ip in net:
+                    return True
+            elif _is_ip(pat.strip("[]")) and ipaddress.ip_address(pat.strip("[]")) == ip:
+                return True
+        elif pat.startswith("*."):
+            if host.endswith(pat[1:]) and len(host) > len(pat) - 1:
+                return True
+        elif host == pat:
+            return True
+    return False
+
+
 def read_file(path: str | Path, allow_list: bool = False) -> dict | list:
     """Parse a TOML or JSON file into a dict (or, with ``allow_list``, a JSON list);
     errors name the file and the line."""
@@ -487,7 +565,7 @@ _DISPATCHER_KEYS = {"host", "port", "allow_open_access", "global_policy", "deplo
                     "max_queued_requests", "max_queued_tokens",
                     "shutdown_timeout_s", "worker_api_key_file", "record_requests", "seed", "prefix_index",
                     "admin_key_file", "latency_model", "kv_events_keys", "kv_events_insecure",
-                    "publication_keys", "publication_insecure", "publication_interval_s",
+                    "worker_hosts", "publication_keys", "publication_insecure", "publication_interval_s",
                     "publication_stale_intervals"}
 #: keys renamed since: a config file using the old name gets an error naming the new one
 _RENAMED = {"idle_timeout_s": "stream_idle_timeout_s"}

@@ -22,7 +22,10 @@ Two ways in:
   publishes its KV-cache events, :mod:`proserve.dispatcher.kv_events`), "publish":
   "tcp://10.0.0.7:15700" (prefill only, optional: where it publishes its queue,
   :mod:`proserve.dispatcher.publication`)}``. A bad field is a 400; a name, URL, KV,
-  KV-event or publication address already in use is a 409. A worker added is checked at once and takes requests once healthy.
+  KV-event or publication address already in use is a 409. With ``worker_hosts``
+  (``--worker-hosts``) every address of the worker must be on an allowed host, else 403
+  (discovery logs such an address and leaves it out). A worker added is checked at once
+  and takes requests once healthy.
 
   A worker's ``state``: ``healthy`` (takes requests), ``down`` (failed its checks),
   ``draining`` (takes no new requests; ``requests`` counts the ones still on it: they
@@ -74,11 +77,13 @@ from .auth import bearer_key
 from .config import (
     WORKER_NAME_RE,
     DiscoverSpec,
+    address_host,
     check_kv_addr,
     check_kv_events,
     check_local_policy,
     check_publish,
     check_url,
+    host_allowed,
 )
 from .errors import ApiError
 from .instances import PrefillWorker, Worker
@@ -186,6 +191,12 @@ class Membership:
         for k in ("kv_events", "publish"):
             if role == "decode" and k in body:
                 raise ApiError(400, f"{k} is for prefill workers", param=k)
+        allowed = self.d.cfg.worker_hosts
+        for param, addr in (("url", url), ("kv_addr", kv_addr), ("kv_events", kv_events), ("publish", publish)):
+            host = address_host(addr) if addr and allowed else None
+            if host is not None and not host_allowed(host, allowed):   # the worker key goes there
+                raise ApiError(403, f"{param}: host {host!r:.80} is not among the dispatcher's worker_hosts "
+                                    f"({', '.join(allowed)[:300]})", param=param)
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not WORKER_NAME_RE.fullmatch(name)):
             raise ApiError(400, f"name must be 1-128 letters, digits and . _ : @ [ ] - (starting with a letter "

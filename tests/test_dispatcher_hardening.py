@@ -688,6 +688,43 @@ def test_a_workers_error_message_is_clipped_before_it_reaches_the_client():
     run(go())
 
 
+def test_tokenize_goes_on_past_a_stopped_worker():
+    """The first worker asked to count a prompt is gone (connection refused): it leaves
+    the set at once and the next worker counts; the client gets its answer."""
+    async def go():
+        async with harness(n_prefill=2, colocated=True, health_interval_s=30) as h:   # no health check
+            await h.prefills[0].stop()
+            assert h.d._tokenize_rr == 0                    # so p0 is asked first
+            r = await h.post("/v1/completions", {"prompt": "a b c", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert [w.healthy for w in h.d.registry.prefill] == [False, True]
+            assert len(h.prefills[1].received) == 1         # and it served the request too
+    run(go())
+
+
+def test_a_slow_tokenize_is_bounded_and_the_next_worker_counts(monkeypatch):
+    """A worker whose /tokenize does not answer within the bound: the next one counts, and
+    the slow one stays in the set (slow is not dead). When every worker is that slow, the
+    client gets a 502 naming both timeouts, not a wait without end."""
+    monkeypatch.setattr(server_mod, "_TOKENIZE_TIMEOUT", aiohttp.ClientTimeout(total=1.0))
+    text = {"prompt": "a b c", "max_tokens": 2}
+
+    async def go():
+        async with harness(n_prefill=2, colocated=True, health_interval_s=30) as h:
+            h.prefills[0].tokenize_delay_s = 60
+            r = await h.post("/v1/completions", text)       # p0 asked first, then p1
+            assert r.status_code == 200, r.text
+            assert all(w.healthy for w in h.d.registry.prefill)
+            h.prefills[1].tokenize_delay_s = 60
+            r = await h.post("/v1/completions", text)
+            assert r.status_code == 502, r.text
+            msg = r.json()["error"]["message"]
+            assert msg.count("TimeoutError") == 2 and "p0" in msg and "p1" in msg, msg
+            assert all(w.healthy for w in h.d.registry.prefill)
+            assert len(h.prefills[0].received) + len(h.prefills[1].received) == 1   # nothing more generated
+    run(go())
+
+
 def test_a_worker_rejecting_the_key_is_a_configuration_error_not_the_clients(caplog):
     async def go():
         async with harness(health_interval_s=30, n_decode=1) as h:   # no health check during the test

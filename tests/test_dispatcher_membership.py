@@ -189,6 +189,58 @@ def test_admin_api_validates_every_body(admin_file):
     run(go())
 
 
+def test_worker_hosts_limit_where_added_workers_may_be(admin_file):
+    """With worker_hosts, every address of a worker added at run time (its URL, kv_addr,
+    kv_events, publish) must be on an allowed host, as written: the worker key and the
+    prompts go there. Refused: 403 naming the field, nothing added. ipc:// stays local."""
+    async def go():
+        async with harness(admin_key_file=admin_file, worker_hosts=["127.0.0.0/30", "*.Allowed.test"]) as h:
+            assert h.d.cfg.worker_hosts == ["127.0.0.0/30", "*.allowed.test"]
+            refused = [
+                ({"role": "prefill", "url": "http://127.0.0.9:1"}, "url"),
+                ({"role": "prefill", "url": "http://evil.test:1"}, "url"),
+                ({"role": "prefill", "url": "http://allowed.test:1"}, "url"),       # the suffix, not a name under it
+                ({"role": "prefill", "url": "http://x.allowed.test.evil:1"}, "url"),
+                ({"role": "prefill", "url": "http://[::1]:1"}, "url"),              # loopback, but not listed
+                ({"role": "decode", "url": "http://127.0.0.2:1", "kv_addr": "tcp://10.0.0.1:2"}, "kv_addr"),
+                ({"role": "decode", "url": "http://127.0.0.2:1", "kv_addr": "tcp://evil.test"}, "kv_addr"),
+                ({"role": "prefill", "url": "http://127.0.0.2:1", "kv_events": "tcp://127.0.0.9:5"}, "kv_events"),
+                ({"role": "prefill", "url": "http://127.0.0.2:1", "publish": "tcp://127.0.0.9:6"}, "publish"),
+            ]
+            for body, param in refused:
+                r = await admin(h, "POST", "", body)
+                assert r.status_code == 403, (body, r.text)
+                err = r.json()["error"]
+                assert err["param"] == param and err["type"] == "permission_error", (body, err)
+                assert "worker_hosts" in err["message"], err
+            assert set(await listed(h)) == {"p0", "d0"}                 # nothing was added
+            for body in ({"role": "prefill", "url": "http://127.0.0.2:1", "kv_events": "tcp://127.0.0.2:5"},
+                         {"role": "decode", "url": "http://127.0.0.3:1", "kv_addr": "ipc:///tmp/proserve-kv-x"},
+                         {"role": "prefill", "url": "http://w-1.ALLOWED.test:1"}):
+                r = await admin(h, "POST", "", body)
+                assert r.status_code == 201, (body, r.text)
+            assert set(await listed(h)) == {"p0", "d0", "p1", "d1", "p2"}
+            assert (await h.post("/v1/completions", BODY)).status_code == 200   # the configured ones serve
+    run(go())
+
+
+def test_worker_hosts_config_and_cli():
+    from proserve.dispatcher.cli import build_parser, config_from_args
+    base = {"dispatcher": {"deployment": "colocated"}, "prefill": [{"url": "http://10.9.9.9:8100"}]}
+    cfg = config_from_dict({**base, "dispatcher": {**base["dispatcher"], "worker_hosts": ["10.0.0.0/8", "fd00::1"]}})
+    cfg.validate()                    # a configured worker is not checked against the list
+    assert cfg.worker_hosts == ["10.0.0.0/8", "fd00::1"]
+    for bad, msg in (("10.0.0.0/8", "must be a list"), (["10.0.0.0/33"], "not a network"),
+                     (["a b"], "not an IP address"), ([""], "expected a host"), ([7], "expected a host"),
+                     (["*."], "not an IP address")):
+        cfg = config_from_dict({**base, "dispatcher": {**base["dispatcher"], "worker_hosts": bad}})
+        with pytest.raises(ConfigError, match=msg):
+            cfg.validate()
+    args = build_parser().parse_args(["--deployment", "colocated", "--prefill", "http://127.0.0.1:8100",
+                                      "--worker-hosts", "10.0.0.0/8, *.svc.cluster.local"])
+    assert config_from_args(args).worker_hosts == ["10.0.0.0/8", "*.svc.cluster.local"]
+
+
 def test_admin_add_is_refused_for_decode_when_colocated(admin_file):
     async def go():
         async with harness(colocated=True, admin_key_file=admin_file) as h:
@@ -423,6 +475,22 @@ def test_discovery_follows_the_names_addresses(monkeypatch):
             await a.stop()
             await b.stop()
     run(go())
+
+
+def test_discovery_keeps_out_addresses_outside_worker_hosts(monkeypatch, caplog):
+    """A name resolving to an address outside worker_hosts (a spoofed DNS answer): that
+    address is logged and left out; the allowed ones join."""
+    async def go():
+        dns = FakeDNS(["127.0.0.2", "10.6.6.6"])
+        monkeypatch.setattr(membership, "resolve", dns)
+        spec = DiscoverSpec(role="decode", host="decode.test", port=8200, kv_port=15999, interval_s=0.05,
+                            timeout_s=0.2)
+        async with harness(n_decode=0, discover=[spec], worker_hosts=["127.0.0.2"]) as h:
+            await dns.rounds(2)
+            assert [w.name for w in h.d.registry.decode] == ["decode-127.0.0.2:8200"]
+    with caplog.at_level("WARNING", logger="proserve.dispatcher"):
+        run(go())
+    assert any("10.6.6.6" in r.message and "worker_hosts" in r.message for r in caplog.records)
 
 
 def test_discovery_of_prefill_workers_resumes_an_address_that_comes_back(monkeypatch):
