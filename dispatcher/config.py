@@ -354,9 +354,17 @@ class DispatcherConfig:
         return min(self.classes.values(), key=lambda c: c.weight).name
 
 
+def _printable(addr: str) -> bool:
+    """Printable ASCII only: no space or control character (a C string ends at NUL), nothing
+    an address parser and the resolver could read differently."""
+    return all("\x21" <= c <= "\x7e" for c in addr)
+
+
 def check_url(url: Any, where: str) -> str:
     if not isinstance(url, str):
         raise ConfigError(f"{where}: must be a string like http://127.0.0.1:8100, got {url!r}")
+    if not _printable(url):
+        raise ConfigError(f"{where}: must be printable ASCII (no spaces or control characters), got {url!r:.200}")
     u = urlparse(url)
     if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
         raise ConfigError(f"{where}: must be a base URL like http://127.0.0.1:8100, got {url!r}")
@@ -412,7 +420,8 @@ def _check_side_channel(addr: Any, keys: Any, insecure: bool, where: str, worker
     """A worker's ZeroMQ side-channel address (KV-cache events, queue publications): tcp:// or
     ipc://; beyond loopback only with CURVE client keys (``keys_key``) or ``insecure_key``."""
     from proserve.kvtransfer.auth import is_loopback
-    if not isinstance(addr, str) or len(addr) > 1024 or not addr.startswith(("tcp://", "ipc://")):
+    if not isinstance(addr, str) or len(addr) > 1024 or not addr.startswith(("tcp://", "ipc://")) \
+            or not _printable(addr):
         raise ConfigError(f"{where}: must be a ZeroMQ address like {example} (the worker's "
                           f"{worker_flag}), got {addr!r:.200}")
     if not keys and not insecure and not is_loopback(addr):
@@ -448,14 +457,15 @@ def check_publish(addr: Any, cfg: DispatcherConfig, where: str) -> str:
 
 
 def check_kv_addr(addr: Any, where: str) -> str:
-    if not isinstance(addr, str) or not (addr.startswith("tcp://") or addr.startswith("ipc://")):
-        raise ConfigError(f"{where}: must be a ZeroMQ address like tcp://127.0.0.1:15600, got {addr!r}")
+    if not isinstance(addr, str) or not (addr.startswith("tcp://") or addr.startswith("ipc://")) \
+            or not _printable(addr):
+        raise ConfigError(f"{where}: must be a ZeroMQ address like tcp://127.0.0.1:15600, got {addr!r:.200}")
     return addr
 
 
 def check_worker_hosts(v: Any, where: str) -> list[str]:
-    """``dispatcher.worker_hosts``: a list of IP addresses, networks (CIDR), DNS names and
-    ``*.suffix`` patterns (lower-cased in place)."""
+    """``dispatcher.worker_hosts``: a list of IP addresses, networks (CIDR, host bits zero),
+    DNS names and ``*.suffix`` patterns (lower-cased in place)."""
     if not isinstance(v, list) or len(v) > 1024:
         raise ConfigError(f"{where}: must be a list of hosts, networks or *.suffix patterns, got {v!r:.80}")
     for i, h in enumerate(v):
@@ -463,56 +473,91 @@ def check_worker_hosts(v: Any, where: str) -> list[str]:
             raise ConfigError(f"{where}[{i}]: expected a host, a network or *.suffix, got {h!r:.80}")
         if "/" in h:
             try:
-                ipaddress.ip_network(h, strict=False)
-            except ValueError:
-                raise ConfigError(f"{where}[{i}]: {h!r:.80} is not a network like 10.0.0.0/8") from None
-        elif not _is_ip(h.strip("[]")) and not _HOST_RE.fullmatch(h.removeprefix("*.")):
-            raise ConfigError(f"{where}[{i}]: {h!r:.80} is not an IP address, a DNS name or *.suffix")
+                ipaddress.ip_network(h)
+            except ValueError as e:
+                raise ConfigError(f"{where}[{i}]: {h!r:.80} is not a network like 10.0.0.0/8 ({e})") from None
+        elif not _strict_host(h.strip("[]")) and not _dns_name(h.removeprefix("*.")):
+            raise ConfigError(f"{where}[{i}]: {h!r:.80} is not an IP address, a DNS name or *.suffix "
+                              f"(a name's last label starts with a letter)")
         v[i] = h.lower()
     return v
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+_LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
+
+
+def _dns_name(name: str) -> bool:
+    """A DNS name as worker_hosts reads one: labels of letters, digits, ``-`` and ``_``, no
+    trailing dot, the last label starting with a letter, so that nothing the resolver would
+    read as an IPv4 address (``10.1``, ``2130706433``, ``0x7f000001``) passes for a name."""
+    labels = name.lower().split(".")
+    return (len(name) <= 253 and all(_LABEL_RE.fullmatch(x) for x in labels)
+            and labels[-1][:1].isalpha())
+
+
+def _strict_host(host: str) -> str:
+    """``host`` (brackets already removed) as worker_hosts compares it: an IP address in its
+    normal form (no IPv6 scope id), or a DNS name in lower case; "" for anything else."""
+    if "%" not in host:
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            pass
+    return host.lower() if _dns_name(host) else ""
 
 
 def address_host(addr: str) -> str | None:
-    """The host of a worker address: an HTTP(S) URL's, or a ``tcp://HOST:PORT`` ZeroMQ
-    address's (lower case, no brackets); None for ``ipc://`` and ``inproc://`` (this host's
-    own sockets); "" when there is none to read (so no allow-list admits it)."""
+    """The host of a worker address, read strictly (what worker_hosts compares): an HTTP(S)
+    URL's, or a ``tcp://HOST:PORT`` ZeroMQ address's, as :func:`_strict_host` gives it; None
+    for ``ipc://`` and ``inproc://`` (this host's own sockets); "" when it cannot be read
+    unambiguously (so no allow-list admits it): characters outside printable ASCII or a
+    backslash anywhere (a C string ends at NUL), an IPv6 scope id (libzmq cuts a "zone" at
+    ``%`` even from a name), libzmq's ``source;destination`` form."""
+    if not _printable(addr) or "\\" in addr:
+        return ""
     if addr.startswith(("ipc://", "inproc://")):
         return None
     if addr.startswith("tcp://"):
-        host, sep, _ = addr[len("tcp://"):].rpartition(":")
-        return host.strip("[]").lower() if sep else ""
+        rest = addr[len("tcp://"):]
+        host, sep, port = rest.rpartition(":")
+        if ";" in rest or not sep or not port.isdigit():
+            return ""
+        if host.startswith("[") and host.endswith("]"):
+            ip = _ip(host[1:-1]) if "%" not in host else None
+            return str(ip) if ip is not None and ip.version == 6 else ""
+        return _strict_host(host) if ":" not in host else ""
     try:
-        return urlparse(addr).hostname or ""
+        u = urlparse(addr)
+        host = u.hostname or ""
     except ValueError:
         return ""
+    if "%" in u.netloc:
+        return ""
+    return _strict_host(host)
+
+
+def _ip(host: str):
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 def host_allowed(host: str, allowed: list[str]) -> bool:
-    """Is ``host`` (as written: an IP address or a name, not resolved) among ``allowed``
-    (:func:`check_worker_hosts`'s patterns)? An IP matches an equal address or a network
-    holding it; a name matches itself or a ``*.suffix`` it ends with."""
-    host = host.strip("[]").lower()
+    """Is ``host`` (:func:`address_host`'s reading: an IP address or a name, not resolved)
+    among ``allowed`` (:func:`check_worker_hosts`'s patterns)? An IP matches an equal
+    address or a network holding it; a name matches itself or a ``*.suffix`` it ends with."""
+    host = _strict_host(host.strip("[]"))
     if not host:
         return False
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        ip = None
+    ip = _ip(host)
     for pat in allowed:
         if ip is not None:
             if "/" in pat:
-                net = ipaddress.ip_network(pat, strict=False)
+                net = ipaddress.ip_network(pat)
                 if ip.version == net.version and ip in net:
                     return True
-            elif _is_ip(pat.strip("[]")) and ipaddress.ip_address(pat.strip("[]")) == ip:
+            elif _ip(pat.strip("[]")) == ip:
                 return True
         elif pat.startswith("*."):
             if host.endswith(pat[1:]) and len(host) > len(pat) - 1:

@@ -195,8 +195,10 @@ class Membership:
         for param, addr in (("url", url), ("kv_addr", kv_addr), ("kv_events", kv_events), ("publish", publish)):
             host = address_host(addr) if addr and allowed else None
             if host is not None and not host_allowed(host, allowed):   # the worker key goes there
-                raise ApiError(403, f"{param}: host {host!r:.80} is not among the dispatcher's worker_hosts "
-                                    f"({', '.join(allowed)[:300]})", param=param)
+                # (the list itself is not told: it would map what a leaked admin key may reach)
+                raise ApiError(403, f"{param}: {addr!r:.120} is not on a host the dispatcher's worker_hosts "
+                                    f"allows" + ("" if host else " (its host cannot be read unambiguously)"),
+                               param=param)
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not WORKER_NAME_RE.fullmatch(name)):
             raise ApiError(400, f"name must be 1-128 letters, digits and . _ : @ [ ] - (starting with a letter "
