@@ -10,10 +10,12 @@ estimate), Min-Load,
 round-robin, and the three cache-aware baselines as their users tune them
 (``scheduler/baselines/``: SGLang's cache_aware at its defaults, llm-d's scorers at their
 published weights 3/2/2, Dynamo's KV router at ``overlap_weight=4``, the best of 0.5-4 in a
-sweep at 1.5 and 2.5 req/s on 8 instances; see the doc). A sweep whose JSON is already
+sweep at 1.5 and 2.5 req/s on 8 instances; see the doc; disaggregated, llm-d also without
+its KV scorer, ``kv=0``, which is better there). A sweep whose JSON is already
 under ``--out`` is kept unless ``--rerun``. Prints per rate the mean ± sd over seeds of
 TDG_Ratio, first-token TDG_Ratio and the prefix-cache hit rate, then GoRouting's and
-GoRouting (choose=scorers)'s difference to every other router, and draws ``cache_routers.png``.
+GoRouting (choose=scorers)'s difference to every other router, paired by seed (mean ±
+standard error, and in how many seeds it is ahead), and draws ``cache_routers.png``.
 
     python scripts/compare_cache_routers.py --out docs/results/routing_prefix     # ~25 min on 2 cores
 """
@@ -42,6 +44,9 @@ ROUTERS = (  # label, sweep arguments
     ("Dynamo KV (w=4)", ["--global", "dynamo_kv", "--global-param", "overlap_weight=4"]),
     # appended (issue 14): the directories are numbered by position, so new rows go last
     ("GoRouting (choose=scorers)", ["--global", "go_routing", "--global-param", "choose=scorers"]),
+    # llm-d tuned for prefill-only instances (disaggregated): without its KV-utilisation scorer, whose
+    # usage there is prefill in flight on its way to the decode side (docs/results.md §2.3)
+    ("llm-d scorers (kv=0)", ["--global", "llmd_scorers", "--global-param", "kv=0"]),
 )
 # the rows whose differences to every other row are printed
 REFERENCES = ("GoRouting", "GoRouting (choose=scorers)")
@@ -81,6 +86,19 @@ def _value(r: dict, key: str) -> float:
     return r["metrics"]["all"][key]
 
 
+def _paired(mine: list[dict], theirs: list[dict], key: str) -> str:
+    """The difference of two routers' values at one rate, paired by seed: mean ± standard
+    error (k/n: the seeds where the first is ahead); the bare mean when fewer than two seeds
+    are shared."""
+    a = {r["seed"]: _value(r, key) for r in mine}
+    b = {r["seed"]: _value(r, key) for r in theirs}
+    d = [a[s] - b[s] for s in sorted(a.keys() & b.keys())]
+    if len(d) < 2:
+        return f"{d[0]:+.4f}" if d else "-"
+    se = statistics.stdev(d) / len(d) ** 0.5
+    return f"{statistics.mean(d):+.4f}±{se:.4f}({sum(x > 0 for x in d)}/{len(d)})"
+
+
 def report(out: Path, setups) -> None:
     panels = []
     for name in setups:
@@ -105,9 +123,10 @@ def report(out: Path, setups) -> None:
                          if v else "-" for v in vals]
                 print(f"| {lab} | " + " | ".join(cells) + " |")
             for me in (m for m in REFERENCES if m in mean):
-                for lab, ys in mean.items():
+                for lab in mean:
                     if lab != me:
-                        print(f"  {me} minus {lab}: " + " ".join(f"{a - b:+.4f}" for a, b in zip(mean[me], ys)))
+                        print(f"  {me} minus {lab}: " + " ".join(
+                            _paired(rows[me].get(r, []), rows[lab].get(r, []), key) for r in rates))
             if key != "hit":
                 panels.append((f"{name}", title, rates, mean))
     if panels:

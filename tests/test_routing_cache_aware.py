@@ -301,6 +301,22 @@ def test_go_routing_scorers_score_every_instance_for_a_request_none_serves_in_ti
         make_global("go_routing", choose="llmd")
 
 
+def test_go_routing_scorers_leave_out_the_kv_term_on_prefill_only_instances():
+    """Two light instances, the same queue, no prefix: co-located the score's free-KV term
+    takes the emptier one (1); on prefill-only instances (disaggregated) their KV is on its
+    way to the decode side, the term is left out, and the two tie (drawn at random)."""
+    insts, qm = cluster(n=2)
+    for p, u in zip(insts, (0.8, 0.1)):          # both can hold the prompt (kv_fit): 1,280 and 5,760 free
+        p.kv_usage = u
+    r = req("r", 640)
+    colo = {make_global("go_routing", deployment=COLOCATED, choose="scorers", seed=s).route(r, insts)[0].id
+            for s in range(20)}
+    assert colo == {1}
+    pd = [make_global("go_routing", choose="scorers", seed=s) for s in range(20)]   # disaggregated
+    picks = {pol.route(r, insts)[0].id for pol in pd}
+    assert picks == {0, 1} and all(pol.last_decision.branch == "scored" for pol in pd)
+
+
 @pytest.mark.parametrize("name,params", [("llmd_scorers", {}), ("go_routing", {"choose": "scorers"})])
 def test_a_nan_kv_usage_counts_as_unreported_in_the_score(name, params):
     """A NaN usage (the dispatcher validates its reports, a caller of the API may not) made

@@ -71,7 +71,12 @@ Defaults (the paper gives none; all settable, validated):
   gain, not too risky to pile onto, with ``kv_fit`` enough KV room; all of C
   if that is empty) and picks *among* them by llm-d's weighted score (3 ·
   prefix-match fraction + 2 · relative queue + 2 · free KV, its published
-  weights; ``baselines.llmd_scorers``), ties at random. Line 19 (no instance
+  weights; ``baselines.llmd_scorers``), ties at random; on prefill-only
+  instances (disaggregated) without the free-KV term: their KV is handed to
+  the decode side as each prefill ends, so its usage says how much prefill is
+  in flight (the queue term's business) and nothing about room for later
+  requests (``kv_fit`` judges room); measured on 4P+4D, dropping it gained
+  0.0007-0.0016 TDG_Ratio at 1-2 req/s, 8 seeds (docs/results.md §2.3). Line 19 (no instance
   meets req's TTFT) picks the same way among *all* instances, ``kv_fit``'s
   filter left out (the score's KV term weighs free memory already; filtering
   too cost 0.003 TDG_Ratio at 14 req/s on 32 instances), so ``fallback`` must
@@ -250,7 +255,8 @@ class GoRouting(GlobalPolicy):
     def _scored(self, req, prefills, pool: list[int], hits: list[int]) -> int:
         """``choose="scorers"``: the index in ``pool`` with the highest llm-d weighted score
         (prefix, queue, free KV at llm-d's published weights; ``baselines.llmd_scorers``),
-        ties at random."""
-        scores = llmd_scores(req, prefills, hits=hits)    # the queue score is relative to every instance
+        ties at random; prefill-only instances without the free-KV term (the module doc)."""
+        kv = {} if self.deployment != DISAGGREGATED else {"w_kv": 0.0}
+        scores = llmd_scores(req, prefills, hits=hits, **kv)   # the queue score is relative to every instance
         chosen = pick_max([prefills[i] for i in pool], scores, self.rng)
         return next(i for i in pool if prefills[i] is chosen)
