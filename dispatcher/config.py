@@ -498,11 +498,9 @@ def _dns_name(name: str) -> bool:
 def _strict_host(host: str) -> str:
     """``host`` (brackets already removed) as worker_hosts compares it: an IP address in its
     normal form (no IPv6 scope id), or a DNS name in lower case; "" for anything else."""
-    if "%" not in host:
-        try:
-            return str(ipaddress.ip_address(host))
-        except ValueError:
-            pass
+    ip = _ip(host) if "%" not in host else None
+    if ip is not None:
+        return str(ip)
     return host.lower() if _dns_name(host) else ""
 
 

@@ -127,7 +127,7 @@ import math
 from dataclasses import dataclass, field
 
 from .. import validate
-from ..baselines.llmd_scorers import llmd_scores, pick_max
+from ..baselines.llmd_scorers import W_KV, llmd_scores, pick_max
 from ..registry import register_global
 from .base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_room
 from .estimates import evaluate, order_of, resolve_eta, resolve_order
@@ -178,6 +178,8 @@ class GoRouting(GlobalPolicy):
         self.choose = validate.one_of(n, "choose", choose, CHOOSE)
         if self.choose == "scorers" and self.fallback != "random":
             validate.fail(n, "fallback", "'random' (unread: choose=scorers scores line 19's pool too)", fallback)
+        # choose=scorers: llm-d's free-KV weight, none on prefill-only instances (the module doc)
+        self._w_kv = 0.0 if self.deployment == DISAGGREGATED else W_KV
         self.last_decision: GoDecision | None = None
 
     def select_prefill(self, req, prefills, now):
@@ -256,7 +258,6 @@ class GoRouting(GlobalPolicy):
         """``choose="scorers"``: the index in ``pool`` with the highest llm-d weighted score
         (prefix, queue, free KV at llm-d's published weights; ``baselines.llmd_scorers``),
         ties at random; prefill-only instances without the free-KV term (the module doc)."""
-        kv = {} if self.deployment != DISAGGREGATED else {"w_kv": 0.0}
-        scores = llmd_scores(req, prefills, hits=hits, **kv)   # the queue score is relative to every instance
+        scores = llmd_scores(req, prefills, w_kv=self._w_kv, hits=hits)   # the queue score is relative to every instance
         chosen = pick_max([prefills[i] for i in pool], scores, self.rng)
         return next(i for i in pool if prefills[i] is chosen)
