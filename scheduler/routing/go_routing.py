@@ -258,6 +258,7 @@ class GoRouting(GlobalPolicy):
         """``choose="scorers"``: the index in ``pool`` with the highest llm-d weighted score
         (prefix, queue, free KV at llm-d's published weights; ``baselines.llmd_scorers``),
         ties at random; prefill-only instances without the free-KV term (the module doc)."""
-        scores = llmd_scores(req, prefills, w_kv=self._w_kv, hits=hits)   # the queue score is relative to every instance
+        # the queue score is relative to every instance, not only the pool's
+        scores = llmd_scores(req, prefills, w_kv=self._w_kv, hits=hits)
         chosen = pick_max([prefills[i] for i in pool], scores, self.rng)
         return next(i for i in pool if prefills[i] is chosen)
