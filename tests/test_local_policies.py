@@ -488,6 +488,8 @@ def test_random_views_keep_the_plan_contract(name, mode):
     ("slide_batching", {"skip_late_prompts": "yes"}, "skip_late_prompts"),
     ("slide_batching", {"catch_up": -1.0}, "catch_up"),
     ("slide_batching", {"catch_up": "soon"}, "catch_up"),
+    ("slide_batching", {"stretch": "yes", "pace": "first_token"}, "stretch"),
+    ("slide_batching", {"stretch": True}, "stretch"),                 # inert without pace=first_token
     ("slide_batching", {"decode_first": "yes"}, "decode_first"),
     ("slide_batching", {"decode_first": 1}, "decode_first"),
     ("slide_batching", {"age_share": 0.0}, "age_share"),
@@ -659,6 +661,71 @@ def test_slide_pace_first_token_bounds_the_budget_by_the_running_mean_tpot():
     # a decode behind its pace floors the budget at (1 - h)·η, as a passed deadline does
     late = policy("slide_batching", headroom=0.2, pace="first_token").schedule(view([w], [d], now=0.5))
     assert late.info.t_budget == pytest.approx(0.08)
+
+
+def test_slide_stretch_yields_first_token_pacing_to_a_prompt_at_risk():
+    # the queue of the test above: d's next token is due at 0.31 by its running mean (remain
+    # 0.11), at 1.3 by Eq. 3 (remain 1.1); paced budget 0.11 - 0.02 = 0.09, of which t_c and d
+    # take 0.011. w (400 tokens, exec 0.4) due at 1.0 (remain 0.8) ends in time at 0.09-s steps
+    # (0.4·0.09/0.079 = 0.456 <= 0.78): no stretch
+    d, w = dec("d", 0.0, emitted=3), wait("w", 0.0, 400)
+    paced = {"headroom": 0.2, "pace": "first_token"}
+    calm = policy("slide_batching", stretch=True, **paced).schedule(view([w], [d], now=0.2))
+    assert calm.info.t_budget == pytest.approx(0.09)
+    # w arrived at -0.35 instead (due at 0.65, remain 0.45; exec + t_c 0.41 fits one step, so
+    # not late): at 0.09-s steps it needs 0.456 > 0.43, at risk. Paced, w (URGENT) takes the
+    # short step whole and d waits anyway. Stretched: lines 6-7 over the Eq. 3 remains, w's own
+    # bounding it (0.45 - 0.02): all of w in this step, d in it too
+    w = wait("w", -0.35, 400)
+    as_paced = policy("slide_batching", **paced).schedule(view([w], [d], now=0.2))
+    assert as_paced.info.t_budget == pytest.approx(0.09)
+    assert chunks(as_paced) == [("w", 80)] and decs(as_paced) == [] and urgent(as_paced)["w"]
+    stretched = policy("slide_batching", stretch=True, **paced).schedule(view([w], [d], now=0.2))
+    assert stretched.info.t_budget == pytest.approx(0.43)
+    assert chunks(stretched) == [("w", 400)] and decs(stretched) == ["d"]
+    # the cap holds: at 2·η the step is 0.2 s
+    capped = policy("slide_batching", stretch=True, budget_cap=2.0, **paced).schedule(view([w], [d], now=0.2))
+    assert capped.info.t_budget == pytest.approx(0.2)
+    # a late prompt (p: 500 tokens due at 0.4, remain 0.2 < exec) is at risk too, and skipped
+    # as a bound: d's Eq. 3 remain bounds the step (1.1 - 0.02), the cap 4·η before it
+    p = wait("p", -0.6, 500)
+    late = policy("slide_batching", stretch=True, budget_cap=4.0, **paced).schedule(view([p], [d], now=0.2))
+    assert late.info.t_budget == pytest.approx(0.4)
+    assert policy("slide_batching", stretch=True, **paced).schedule(
+        view([p], [d], now=0.2)).info.t_budget == pytest.approx(1.08)
+    # a decode past its Eq. 3 deadline (now 1.5: token 4 was due at 1.3) keeps the floor
+    assert policy("slide_batching", stretch=True, budget_cap=4.0, **paced).schedule(
+        view([p], [d], now=1.5)).info.t_budget == pytest.approx(0.08)
+
+
+def test_slide_stretch_random_views():
+    # stretch only lengthens the budget, and only as far as no decode's Eq. 3 deadline (less
+    # the headroom) and the cap allow
+    rng = random.Random(13)
+    model = LatencyModel(a_p=1e-7, b_p=3e-8, c_p=4.54e-4, a_d=3e-7, b_d=4.1e-4, t_c=8.9e-3)
+    base = {**ALG1, "decode_first": "all", "pace": "first_token", "skip_late_prompts": True,
+            "budget_cap": 4.0, "headroom": 0.1, "phi": "c", "catch_up": 1.0}
+    with_rule = make_local("slide_batching", Estimator(model), **base, stretch=True)
+    without = make_local("slide_batching", Estimator(model), **base)
+    eta, h, stretched = with_rule.eta, 0.1, 0
+    for _ in range(1000):
+        now = 10.0
+        ws = [wait(f"w{i}", rng.uniform(9, 10), rng.randint(1, 900), prio=rng.choice(["high", "low"]))
+              for i in range(rng.randint(0, 4))]
+        ds = [dec(f"d{i}", rng.uniform(8.5, 9.9), emitted=rng.randint(1, 12), prompt=rng.randint(1, 900))
+              for i in range(rng.randint(1, 6))]
+        for d in ds:       # first tokens at 8.6-10: some streams ahead of their running-mean pace
+            d.token_times[:] = [min(now, d.arrival + 0.1 + 0.02 * k) for k in range(len(d.token_times))]
+        v = view(ws, ds, now=now)
+        plan, ref = with_rule.schedule(v), without.schedule(v)
+        assert plan.info.t_budget >= ref.info.t_budget - 1e-12
+        assert not plan.empty
+        if plan.info.t_budget > ref.info.t_budget + 1e-12:
+            stretched += 1
+            eq3 = min(with_rule.gain.next_token_deadline(d) - now for d in ds)
+            assert plan.info.t_budget <= max(min(eq3 - h * eta, 4.0 * eta), (1 - h) * eta) + 1e-12
+            assert sorted(decs(plan)) == sorted(d.id for d in ds)
+    assert stretched > 50                                           # the rule did act
 
 
 def test_slide_budget_cap_bounds_the_budget_in_multiples_of_eta():
