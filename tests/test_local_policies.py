@@ -663,6 +663,20 @@ def test_slide_pace_first_token_bounds_the_budget_by_the_running_mean_tpot():
     assert late.info.t_budget == pytest.approx(0.08)
 
 
+#: a model with context-dependent costs (a_d > 0), as a profiled one
+PROFILED_LIKE = LatencyModel(a_p=1e-7, b_p=3e-8, c_p=4.54e-4, a_d=3e-7, b_d=4.1e-4, t_c=8.9e-3)
+
+
+def _random_queue(rng, arrivals, prompts, decode_arrivals, decodes):
+    """0-4 waiting prompts (1..``prompts`` tokens, either class) and 1..``decodes`` decodes
+    (1-12 tokens emitted), arrivals drawn uniformly from the given (lo, hi)."""
+    ws = [wait(f"w{i}", rng.uniform(*arrivals), rng.randint(1, prompts), prio=rng.choice(["high", "low"]))
+          for i in range(rng.randint(0, 4))]
+    ds = [dec(f"d{i}", rng.uniform(*decode_arrivals), emitted=rng.randint(1, 12), prompt=rng.randint(1, 900))
+          for i in range(rng.randint(1, decodes))]
+    return ws, ds
+
+
 def test_slide_stretch_yields_first_token_pacing_to_a_prompt_at_risk():
     # the queue of the test above: d's next token is due at 0.31 by its running mean (remain
     # 0.11), at 1.3 by Eq. 3 (remain 1.1); paced budget 0.11 - 0.02 = 0.09, of which t_c and d
@@ -702,18 +716,14 @@ def test_slide_stretch_random_views():
     # stretch only lengthens the budget, and only as far as no decode's Eq. 3 deadline (less
     # the headroom) and the cap allow
     rng = random.Random(13)
-    model = LatencyModel(a_p=1e-7, b_p=3e-8, c_p=4.54e-4, a_d=3e-7, b_d=4.1e-4, t_c=8.9e-3)
     base = {**ALG1, "decode_first": "all", "pace": "first_token", "skip_late_prompts": True,
             "budget_cap": 4.0, "headroom": 0.1, "phi": "c", "catch_up": 1.0}
-    with_rule = make_local("slide_batching", Estimator(model), **base, stretch=True)
-    without = make_local("slide_batching", Estimator(model), **base)
+    with_rule = make_local("slide_batching", Estimator(PROFILED_LIKE), **base, stretch=True)
+    without = make_local("slide_batching", Estimator(PROFILED_LIKE), **base)
     eta, h, stretched = with_rule.eta, 0.1, 0
     for _ in range(1000):
         now = 10.0
-        ws = [wait(f"w{i}", rng.uniform(9, 10), rng.randint(1, 900), prio=rng.choice(["high", "low"]))
-              for i in range(rng.randint(0, 4))]
-        ds = [dec(f"d{i}", rng.uniform(8.5, 9.9), emitted=rng.randint(1, 12), prompt=rng.randint(1, 900))
-              for i in range(rng.randint(1, 6))]
+        ws, ds = _random_queue(rng, arrivals=(9, 10), prompts=900, decode_arrivals=(8.5, 9.9), decodes=6)
         for d in ds:       # first tokens at 8.6-10: some streams ahead of their running-mean pace
             d.token_times[:] = [min(now, d.arrival + 0.1 + 0.02 * k) for k in range(len(d.token_times))]
         v = view(ws, ds, now=now)
@@ -836,16 +846,11 @@ def test_slide_catch_up_random_views(params):
     # context-dependent decode costs (a_d > 0), as a profiled one: a step sized to hold exactly
     # the decodes once left the last one out, by float rounding
     rng = random.Random(repr(params))
-    model = LatencyModel(a_p=1e-7, b_p=3e-8, c_p=4.54e-4, a_d=3e-7, b_d=4.1e-4, t_c=8.9e-3)
-    slide = lambda **p: make_local("slide_batching", Estimator(model), **{**ALG1, **p})
+    slide = lambda **p: make_local("slide_batching", Estimator(PROFILED_LIKE), **{**ALG1, **p})
     with_rule, without = slide(**params), slide(**{k: v for k, v in params.items() if k != "catch_up"})
     for _ in range(1000):
-        now = 10.0
-        ws = [wait(f"w{i}", rng.uniform(8.5, 10), rng.randint(1, 400), prio=rng.choice(["high", "low"]))
-              for i in range(rng.randint(0, 4))]
-        ds = [dec(f"d{i}", rng.uniform(8, 10), emitted=rng.randint(1, 12), prompt=rng.randint(1, 900))
-              for i in range(rng.randint(1, 9))]
-        v = view(ws, ds, now=now)
+        ws, ds = _random_queue(rng, arrivals=(8.5, 10), prompts=400, decode_arrivals=(8, 10), decodes=9)
+        v = view(ws, ds, now=10.0)
         plan, base = with_rule.schedule(v), without.schedule(v)
         assert plan.info.t_budget <= base.info.t_budget + 1e-12
         assert not plan.empty
