@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for n in names:
             xs = [vals[(p, s)][n] for s in ss if n in vals[(p, s)]]
-            cells.append(f"{mean_sd_se(xs)[0]:.4f} ± {mean_sd_se(xs)[1]:.4f}" if xs else "-")
+            if xs:
+                m, sd, _ = mean_sd_se(xs)
+                cells.append(f"{m:.4f} ± {sd:.4f}")
+            else:
+                cells.append("-")
         print(f"{p:{width}}  " + "  ".join(f"{c:>15}" for c in cells) + f"  ({len(ss)})")
     for ref in refs:
         print(f"\n# {ref}\n#   minus each, paired by seed: mean ± standard error (seeds ahead/level/behind)")

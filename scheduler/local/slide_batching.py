@@ -385,7 +385,7 @@ class SlideBatching(LocalPolicy):
             # only late prompts queued: the cap bounds the budget, or without one line 6 as written
             bounds = skipped if min(skipped) < math.inf or self.budget_cap < math.inf else paced
         t_budget = self._bounded(bounds, h)                 # lines 6-7 (h = 0, eq3, no cap: as written)
-        if self.stretch and self.pace == "first_token":
+        if self.stretch:                                   # validated: only with pace="first_token"
             t_budget = self._stretched(Q, execs, remains, t_budget, h)
         if self.catch_up is not None:
             t_budget = min(t_budget, self._catch_up_budget(Q, execs, remains, paced, h))
