@@ -65,6 +65,21 @@ class GainConfig:
         """Absolute deadline of token ``i`` (1-based) on the caller's clock."""
         return req.arrival + self._ttft_anchor(req) + (i - 1) * req.tpot_slo
 
+    def late_decode_gain(self, weight: float, tpot_slo: float, late: float, step: float, n_out: float) -> float:
+        """The decode-token gain a request of priority weight ``weight`` and TPOT SLO
+        ``tpot_slo`` loses when its first token comes ``late`` seconds past its deadline and
+        each later token ``step`` seconds after the one before, out of ``n_out`` decode
+        tokens: with fixed deadlines token i ≥ 2 meets deadline_{r,i} iff
+        late + (i−1)·step < (i−1)·TPOT_SLO, so the first ``late / (TPOT_SLO − step)`` miss
+        (all ``n_out`` when ``step ≥ TPOT_SLO``), each worth w_d·w_prio (Eq. 3); with
+        ``ttft_anchored`` deadlines a late first token moves the later deadlines with it, and
+        nothing more is lost."""
+        if late <= 0.0 or self.deadline == "ttft_anchored":
+            return 0.0
+        slack = tpot_slo - step
+        lost = n_out if slack <= 0.0 else min(n_out, late / slack)
+        return self.w_d * weight * lost
+
     def _ttft_anchor(self, req: Request) -> float:
         if self.deadline == "ttft_anchored" and req.token_times:
             return min(req.token_times[0] - req.arrival, req.ttft_slo)

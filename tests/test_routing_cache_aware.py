@@ -328,3 +328,72 @@ def test_a_nan_kv_usage_counts_as_unreported_in_the_score(name, params):
     assert kv_usage(insts[0]) == 0.0               # the router's own estimate: nothing queued
     pol = make_global(name, deployment=COLOCATED, **params)
     assert pol.route(req("r", 100), insts)[0].id in (0, 2)   # queues equal; 0 and 2 have all KV free
+
+
+def _job(rid, prompt, cls="high", ttft=1.0, arrival=0.0):
+    return Request(rid, cls, 2.0 if cls == "high" else 1.0, ttft, 0.05, arrival, prompt, output_len=8)
+
+
+def _catch_up_cluster():
+    """Instance 0 queues six low-priority requests of 100 tokens, instance 1 one of 650 (a
+    little more work); their TTFT SLO is 3 s, so req (1 s) goes before them in deadline order."""
+    insts, qm = cluster(n=2, cache_tokens=0)
+    for j in range(6):
+        qm.add(0, _job(f"a{j}", 100, "low", 3.0), 0.0)
+    qm.add(1, _job("b", 650, "low", 3.0), 0.0)
+    return insts, qm
+
+
+def test_go_routing_catch_up_fallback_loses_the_least_decode_gain():
+    """fallback=catch_up: a request no instance serves before its TTFT SLO goes where the least
+    decode-token gain is lost (Eq. 3's fixed deadlines). req's 5 s prefill runs first on either
+    instance, so its own first token is as late on both; on 0 it pushes six requests past their
+    deadlines, on 1 one. Min-Load takes 0, the smaller backlog. With ttft_anchored deadlines a
+    late first token costs no later token: every loss is 0 and the choice is line 19's random
+    one among both."""
+    from proserve.scheduler.tdg import GainConfig
+    insts, _ = _catch_up_cluster()
+    r = _job("big", 5000)
+    go = make_global("go_routing", deployment=COLOCATED, fallback="catch_up")
+    assert go.route(r, insts)[0].id == 1 and go.last_decision.branch == "fallback"
+    assert go.last_decision.delta_max <= 0
+    assert go.last_decision.exec[0] < go.last_decision.exec[1]
+    assert make_global("go_routing", deployment=COLOCATED, fallback="min_load").route(r, insts)[0].id == 0
+    assert {make_global("go_routing", deployment=COLOCATED, fallback="catch_up", seed=s).route(r, insts)[0].id
+            for s in range(20)} == {1}
+    anchored = GainConfig(deadline="ttft_anchored")
+    assert {make_global("go_routing", gain=anchored, deployment=COLOCATED, fallback="catch_up", seed=s)
+            .route(r, insts)[0].id for s in range(20)} == {0, 1}
+    with pytest.raises(ConfigError):
+        make_global("go_routing", choose="scorers", fallback="catch_up")
+
+
+def test_go_routing_catch_up_learns_the_output_length_from_finished_requests():
+    """The decode tokens a late request can lose are capped by the mean decode tokens of the
+    requests that finished (errors not counted): with one-token outputs a late first token
+    costs nothing more, every loss is 0 and the choice is random among both."""
+    insts, _ = _catch_up_cluster()
+    go = make_global("go_routing", deployment=COLOCATED, fallback="catch_up")
+    assert go.route(_job("big", 5000), insts)[0].id == 1
+    done = _job("done", 10)
+    done.record_tokens(1, 0.1)                    # one token: nothing after the first to catch up
+    go.on_request_finished(done, 0.2)
+    failed = _job("failed", 10)
+    failed.record_tokens(1, 0.1)
+    failed.record_tokens(500, 0.3)
+    failed.end("engine died")                     # an error: its length is not a completed output
+    go.on_request_finished(failed, 0.4)
+    assert {go.route(_job(f"big{k}", 5000), insts)[0].id for k in range(20)} == {0, 1}
+
+
+def test_go_routing_catch_up_spreads_hopeless_requests_over_equal_instances():
+    """Prefill-only instances, three idle and one with a queue that req's prefill would push back:
+    the idle ones lose the same (req's own lateness) and are drawn at random, not the lowest id
+    every time (which piled the hopeless requests onto one instance and evicted its cached
+    prefixes); the queued one is never drawn."""
+    from proserve.scheduler.routing.base import DISAGGREGATED
+    insts, qm = cluster(n=4, cache_tokens=0)
+    qm.add(3, _job("q", 100, "low", 3.0), 0.0)
+    picks = {make_global("go_routing", deployment=DISAGGREGATED, fallback="catch_up", seed=s)
+             .route(_job("big", 5000), insts)[0].id for s in range(40)}
+    assert picks == {0, 1, 2}

@@ -87,3 +87,17 @@ def test_summary_per_class(make_req):
     assert s["all"].ttft_p50 == pytest.approx(1.0)
     assert s["all"].first_token_tdg_ratio == pytest.approx(4 / 6)
     assert math.isclose(s["all"].throughput_tokens_s, 4 / 1.55)
+
+
+def test_late_decode_gain_counts_the_tokens_that_cannot_catch_up():
+    """A first token `late` s past its deadline, later tokens every `step` s: with fixed
+    deadlines the first late / (TPOT_SLO − step) decode tokens miss, each w_d·w_prio, at most the
+    n_out there are; all of them when the step is no faster than the SLO; none when on time or
+    with ttft_anchored deadlines (they move with the first token)."""
+    g = GainConfig(3.0, 0.5)            # a request of weight 2 with a TPOT SLO of 0.05 s
+    assert g.late_decode_gain(2.0, 0.05, 0.3, 0.03, 100) == pytest.approx(0.5 * 2.0 * 0.3 / 0.02)   # 15 tokens
+    assert g.late_decode_gain(2.0, 0.05, 0.3, 0.03, 10) == pytest.approx(0.5 * 2.0 * 10)            # all 10
+    assert g.late_decode_gain(2.0, 0.05, 0.3, 0.05, 100) == pytest.approx(0.5 * 2.0 * 100)          # no catch-up
+    assert g.late_decode_gain(2.0, 0.05, float("inf"), 0.03, 7) == pytest.approx(7.0)
+    assert g.late_decode_gain(2.0, 0.05, 0.0, 0.03, 100) == g.late_decode_gain(2.0, 0.05, -1.0, 0.03, 100) == 0.0
+    assert GainConfig(3.0, 0.5, "ttft_anchored").late_decode_gain(2.0, 0.05, 0.3, 0.03, 100) == 0.0

@@ -140,9 +140,10 @@ class QueueSnapshot:
     """``PrefillQueueMap[p]`` ordered by deadline, in uncorrected model units."""
 
     __slots__ = ("key", "gain", "deadlines", "prefix", "weights", "suffix_w", "sum_exec",
-                 "execs", "seq", "dens", "by_density")
+                 "execs", "seq", "dens", "by_density", "classes")
 
-    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec, execs, seq, dens, by_density):
+    def __init__(self, key, gain, deadlines, prefix, weights, suffix_w, sum_exec, execs, seq, dens, by_density,
+                 classes):
         self.key = key
         self.gain = gain
         self.deadlines = deadlines  # absolute next-token deadlines, ascending (remain order)
@@ -154,6 +155,7 @@ class QueueSnapshot:
         self.seq = seq              # positions (in the order above) in dispatch order ("fcfs")
         self.dens = dens            # density w_r/exec_r (Alg. 1 line 5), same order
         self.by_density = by_density  # positions by density w_r/exec_r descending ("slide")
+        self.classes = classes      # (priority weight, TPOT SLO) -> how many queued requests have them
 
 
 def queued_work(p: PrefillInstance, r: Request) -> tuple[int, int]:
@@ -201,8 +203,12 @@ def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
     t_c = m.t_c
     prefix = list(accumulate(x + t_c for x in execs))
     suffix_w = list(accumulate(reversed(weights), initial=0.0))[::-1]
+    classes: dict[tuple[float, float], int] = {}
+    for r in q:
+        k = (r.weight, r.tpot_slo)
+        classes[k] = classes.get(k, 0) + 1
     s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs), execs, seq, dens,
-                      by_density)
+                      by_density, classes)
     p.cache = s
     return s
 

@@ -65,6 +65,25 @@ Defaults (the paper gives none; all settable, validated):
   ``"most_room"``, the instance with the most KV room: a request that can meet
   its TTFT nowhere starts its prefill, and its decode catches up, soonest
   where its KV can be allocated (§2.3).
+* ``fallback = "catch_up"`` (issue 14, not the paper's; not the default): line
+  19 in TDG's own currency. Under fixed deadlines (Eq. 3) a request that
+  misses its first token still earns every decode token that catches up with
+  its deadline, so where no instance meets req's first token the instances
+  still differ in gain. Each is priced by the decode-token gain lost there
+  (:meth:`~proserve.scheduler.tdg.GainConfig.late_decode_gain`): req's own
+  (its first token ``done − remain`` late) plus that of every request queued
+  there, each counted as delayed by req's prefill (``exec_with − exec``; an
+  upper bound, as some go before req in the local order). The decode step is
+  ``t_c + (n_d + 1)·b_d`` co-located (Eq. 7's decode-only step with req's
+  decode added) and half the TPOT SLO on prefill-only instances (the decode
+  side is chosen afterwards, line 20, so no prefill choice changes it), at
+  most 0.95 of the TPOT SLO; the number of decode tokens is the mean of the
+  requests that finished so far (256 before the first). Line 19's random
+  draw is then made among the instances whose loss is within one decode
+  token's gain (w_d·w_prio) of the least: taking the least outright, ties by
+  backlog and id, piled the hopeless requests onto the few idle instances
+  that tie at light load and evicted the prefixes cached there
+  (docs/results.md §2.3).
 * ``choose = "thresholds"``: how to choose among the instances once lines
   2-11 have judged them. ``"scorers"`` (issue 14, not the paper's) keeps
   GoRouting's judgement of *which* instances can serve req (C − H: near-max
@@ -130,9 +149,11 @@ from .. import validate
 from ..baselines.llmd_scorers import W_KV, llmd_scores, pick_max
 from ..registry import register_global
 from .base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_room
-from .estimates import evaluate, order_of, resolve_eta, resolve_order
+from .estimates import evaluate, order_of, queue_snapshot, resolve_eta, resolve_order
 
-FALLBACKS = ("random", "min_load", "most_room")
+FALLBACKS = ("random", "min_load", "most_room", "catch_up")
+#: ``fallback="catch_up"``: decode tokens per request assumed before the first request ends here
+N_OUT_PRIOR = 256.0
 CHOOSE = ("thresholds", "scorers")
 BRANCHES = ("light", "fill", "balance", "scored", "fallback")
 
@@ -181,6 +202,14 @@ class GoRouting(GlobalPolicy):
         # choose=scorers: llm-d's free-KV weight, none on prefill-only instances (the module doc)
         self._w_kv = 0.0 if self.deployment == DISAGGREGATED else W_KV
         self.last_decision: GoDecision | None = None
+        self._finished = 0          # fallback="catch_up": requests finished, and their decode tokens
+        self._decoded = 0
+
+    def on_request_finished(self, req, now):
+        """``fallback="catch_up"`` learns the mean decode tokens of the requests that ended well."""
+        if not req.error:
+            self._finished += 1
+            self._decoded += max(0, len(req.token_times) - 1)
 
     def select_prefill(self, req, prefills, now):
         gain, dep, eta, order = self.gain, self.deployment, self.eta, self.order
@@ -239,6 +268,13 @@ class GoRouting(GlobalPolicy):
                 best = self._scored(req, prefills, pool, hits)
             elif self.fallback == "min_load":                               # variant of line 19
                 best = min(pool, key=tie.__getitem__)
+            elif self.fallback == "catch_up":                               # variant of line 19
+                # RANDOMSELECT among the instances that lose the least decode-token gain, losses
+                # within one decode token (w_d·w_prio) of the least counting as equal
+                lost = [self._catch_up_loss(req, prefills[i], ests[i], now) for i in pool]
+                least = min(lost) + self.gain.w_d * req.weight
+                near = [i for i, x in zip(pool, lost) if x <= least]
+                best = near[self.rng.randrange(len(near))]
             elif self.fallback == "most_room":                              # variant of line 19
                 best = min(pool, key=lambda i: (-rooms[i], tie[i]))
             else:                                                           # line 19: RANDOMSELECT(P)
@@ -253,6 +289,25 @@ class GoRouting(GlobalPolicy):
             wait={ids[i]: wait[i] for i in range(len(ests))},
             candidates=[ids[i] for i in C], light=[ids[i] for i in L], heavy=[ids[i] for i in H])
         return prefills[best]
+
+    def _catch_up_loss(self, req, p, e, now) -> float:
+        """``fallback="catch_up"``: the decode-token gain lost if req goes to ``p`` (module doc)."""
+        gain = self.gain
+        n_out = self._decoded / self._finished if self._finished else N_OUT_PRIOR
+        tpot = req.tpot_slo
+        if self.deployment == DISAGGREGATED:
+            step = 0.5 * tpot
+        else:
+            est = p.estimator
+            step = min(est.t_c + (p.n_decode + 1) * est.decode(p.avg_decode_kv), 0.95 * tpot)
+        done = e.exec_with if e.done != e.done else e.done            # NaN: as written
+        lost = gain.late_decode_gain(req.weight, tpot, done - (gain.next_token_deadline(req) - now), step, n_out)
+        # req's prefill delays every queued request (without end where the decodes fill every
+        # step: exec = ∞); counted per class, O(classes) once the queue's snapshot is built
+        x = e.exec_with - e.exec if e.exec_with < math.inf else math.inf
+        for (weight, slo), n in queue_snapshot(p, gain).classes.items():
+            lost += n * gain.late_decode_gain(weight, slo, x, min(step, 0.95 * slo), n_out)
+        return lost
 
     def _scored(self, req, prefills, pool: list[int], hits: list[int]) -> int:
         """``choose="scorers"``: the index in ``pool`` with the highest llm-d weighted score
