@@ -5,7 +5,8 @@ simulator on the Mooncake synthetic trace (issue 14; docs/results.md §2.3).
 Co-located SlideBatching instances with prefix caching (the simulator's default), 8
 instances at 1-3.5 req/s and 32 at 4-14 req/s, all 3,993 requests, 3 seeds. Routers:
 GoRouting (schedule-aware, with its prefix index; with ``fallback=most_room``; with
-``choose=scorers``, llm-d's score among the instances GoRouting allows; and the paper's
+``choose=scorers``, llm-d's score among the instances GoRouting allows; with
+``fallback=catch_up``, line 19 by the decode-token gain lost to lateness; and the paper's
 estimate), Min-Load,
 round-robin, and the three cache-aware baselines as their users tune them
 (``scheduler/baselines/``: SGLang's cache_aware at its defaults, llm-d's scorers at their
@@ -13,8 +14,8 @@ published weights 3/2/2, Dynamo's KV router at ``overlap_weight=4``, the best of
 sweep at 1.5 and 2.5 req/s on 8 instances; see the doc; disaggregated, llm-d also without
 its KV scorer, ``kv=0``, which is better there). A sweep whose JSON is already
 under ``--out`` is kept unless ``--rerun``. Prints per rate the mean ± sd over seeds of
-TDG_Ratio, first-token TDG_Ratio and the prefix-cache hit rate, then GoRouting's and
-GoRouting (choose=scorers)'s difference to every other router, paired by seed (mean ±
+TDG_Ratio, first-token TDG_Ratio and the prefix-cache hit rate, then the difference of
+GoRouting, GoRouting (choose=scorers) and GoRouting (fallback=catch_up) to every other router, paired by seed (mean ±
 standard error, and in how many seeds it is ahead), and draws ``cache_routers.png``.
 
     python scripts/compare_cache_routers.py --out docs/results/routing_prefix     # ~25 min on 2 cores
@@ -47,9 +48,10 @@ ROUTERS = (  # label, sweep arguments
     # llm-d tuned for prefill-only instances (disaggregated): without its KV-utilisation scorer, whose
     # usage there is prefill in flight on its way to the decode side (docs/results.md §2.3)
     ("llm-d scorers (kv=0)", ["--global", "llmd_scorers", "--global-param", "kv=0"]),
+    ("GoRouting (fallback=catch_up)", ["--global", "go_routing", "--global-param", "fallback=catch_up"]),
 )
 # the rows whose differences to every other row are printed
-REFERENCES = ("GoRouting", "GoRouting (choose=scorers)")
+REFERENCES = ("GoRouting", "GoRouting (choose=scorers)", "GoRouting (fallback=catch_up)")
 SETUPS = {  # name: sweep arguments, rates
     "colocated-8": (["--deployment", "colocated", "--instances", "8"], "1.0,1.5,2.0,2.5,3.5"),
     "colocated-32": (["--deployment", "colocated", "--instances", "32"], "4,6,8,10,14"),

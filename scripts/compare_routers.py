@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GoRouting with its schedule-aware estimate against the paper's estimate, Min-Load and
 round-robin, in the simulator (issue 14; docs/results.md §2.1); also GoRouting with
-``choose=scorers`` (llm-d's score among the instances lines 2-11 allow, §2.3).
+``choose=scorers`` (llm-d's score among the instances lines 2-11 allow, §2.3) and with
+``fallback=catch_up`` (line 19 by the decode-token gain lost to lateness, §2.3).
 
 For each local policy (SlideBatching, Sarathi-FCFS) and deployment (disaggregated 4
 prefill + 8 decode instances, rates 30-50 req/s; co-located 8 instances, rates 20-35
@@ -35,6 +36,8 @@ ROUTERS = (  # label, sweep arguments, local policies it runs with
     # appended (the directories are numbered by position): llm-d's score among the instances
     # lines 2-11 allow (docs/results.md §2.3)
     ("GoRouting (choose=scorers)", ["--global", "go_routing", "--global-param", "choose=scorers"], None),
+    # line 19 by the decode tokens lost to lateness, in TDG's currency (docs/results.md §2.3)
+    ("GoRouting (fallback=catch_up)", ["--global", "go_routing", "--global-param", "fallback=catch_up"], None),
 )
 DEPLOYMENTS = {
     "disaggregated": (["--deployment", "disaggregated", "--prefill-instances", "4", "--decode-instances", "8"],
