@@ -155,7 +155,21 @@ class QueueSnapshot:
         self.seq = seq              # positions (in the order above) in dispatch order ("fcfs")
         self.dens = dens            # density w_r/exec_r (Alg. 1 line 5), same order
         self.by_density = by_density  # positions by density w_r/exec_r descending ("slide")
-        self.classes = classes      # (priority weight, TPOT SLO) -> how many queued requests have them
+        self.classes = classes      # (priority weight, TPOT SLO) -> count; None until queue_classes asks
+
+
+def queue_classes(p: PrefillInstance, gain: GainConfig) -> dict[tuple[float, float], int]:
+    """How many of ``p``'s queued requests have each (priority weight, TPOT SLO), counted once
+    per queue snapshot and only when asked (GoRouting's ``fallback="catch_up"``), not on
+    every snapshot rebuild."""
+    s = queue_snapshot(p, gain)
+    if s.classes is None:
+        classes: dict[tuple[float, float], int] = {}
+        for r in p.queue:
+            k = (r.weight, r.tpot_slo)
+            classes[k] = classes.get(k, 0) + 1
+        s.classes = classes
+    return s.classes
 
 
 def queued_work(p: PrefillInstance, r: Request) -> tuple[int, int]:
@@ -203,12 +217,8 @@ def queue_snapshot(p: PrefillInstance, gain: GainConfig) -> QueueSnapshot:
     t_c = m.t_c
     prefix = list(accumulate(x + t_c for x in execs))
     suffix_w = list(accumulate(reversed(weights), initial=0.0))[::-1]
-    classes: dict[tuple[float, float], int] = {}
-    for r in q:
-        k = (r.weight, r.tpot_slo)
-        classes[k] = classes.get(k, 0) + 1
     s = QueueSnapshot(key, gain, deadlines, prefix, weights, suffix_w, math.fsum(execs), execs, seq, dens,
-                      by_density, classes)
+                      by_density, None)
     p.cache = s
     return s
 

@@ -149,7 +149,7 @@ from .. import validate
 from ..baselines.llmd_scorers import W_KV, llmd_scores, pick_max
 from ..registry import register_global
 from .base import DISAGGREGATED, GlobalPolicy, expected_hit, kv_room
-from .estimates import evaluate, order_of, queue_snapshot, resolve_eta, resolve_order
+from .estimates import evaluate, order_of, queue_classes, resolve_eta, resolve_order
 
 FALLBACKS = ("random", "min_load", "most_room", "catch_up")
 #: ``fallback="catch_up"``: decode tokens per request assumed before the first request ends here
@@ -271,7 +271,8 @@ class GoRouting(GlobalPolicy):
             elif self.fallback == "catch_up":                               # variant of line 19
                 # RANDOMSELECT among the instances that lose the least decode-token gain, losses
                 # within one decode token (w_d·w_prio) of the least counting as equal
-                lost = [self._catch_up_loss(req, prefills[i], ests[i], now) for i in pool]
+                n_out = self._decoded / self._finished if self._finished else N_OUT_PRIOR
+                lost = [self._catch_up_loss(req, prefills[i], ests[i], now, n_out) for i in pool]
                 least = min(lost) + self.gain.w_d * req.weight
                 near = [i for i, x in zip(pool, lost) if x <= least]
                 best = near[self.rng.randrange(len(near))]
@@ -290,10 +291,10 @@ class GoRouting(GlobalPolicy):
             candidates=[ids[i] for i in C], light=[ids[i] for i in L], heavy=[ids[i] for i in H])
         return prefills[best]
 
-    def _catch_up_loss(self, req, p, e, now) -> float:
-        """``fallback="catch_up"``: the decode-token gain lost if req goes to ``p`` (module doc)."""
+    def _catch_up_loss(self, req, p, e, now, n_out: float) -> float:
+        """``fallback="catch_up"``: the decode-token gain lost if req goes to ``p``, ``n_out``
+        decode tokens per request (module doc)."""
         gain = self.gain
-        n_out = self._decoded / self._finished if self._finished else N_OUT_PRIOR
         tpot = req.tpot_slo
         if self.deployment == DISAGGREGATED:
             step = 0.5 * tpot
@@ -305,7 +306,7 @@ class GoRouting(GlobalPolicy):
         # req's prefill delays every queued request (without end where the decodes fill every
         # step: exec = ∞); counted per class, O(classes) once the queue's snapshot is built
         x = e.exec_with - e.exec if e.exec_with < math.inf else math.inf
-        for (weight, slo), n in queue_snapshot(p, gain).classes.items():
+        for (weight, slo), n in queue_classes(p, gain).items():
             lost += n * gain.late_decode_gain(weight, slo, x, min(step, 0.95 * slo), n_out)
         return lost
 
