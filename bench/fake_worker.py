@@ -124,7 +124,11 @@ class FakeWorker:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
         if self.fail in ("500", "hang") and self.fail_if is None:
-            return web.Response(status=500 if self.fail == "500" else 503)
+            if self.fail == "500":
+                return web.Response(status=500)
+            return web.json_response({"error": {"message": "fake worker: hanging (fail=hang)",   # as WorkerGuard's
+                                                "type": "service_unavailable", "param": None, "code": 503}},
+                                     status=503)
         return web.Response(text="")
 
     async def models(self, request):

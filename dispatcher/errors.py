@@ -9,6 +9,8 @@ route produced (unknown route 404, wrong method 405, an unexpected exception
 
 from __future__ import annotations
 
+import json
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 502: "upstream_error",
@@ -52,3 +54,26 @@ class UpstreamError(Exception):
         self.worker = worker
         self.status = status
         self.timeout = timeout
+
+
+#: characters of a worker's error message passed on (to a client, into a log line)
+MAX_WORKER_MESSAGE = 500
+
+
+def worker_error_message(content: bytes) -> str:
+    """The message of a worker's error body (OpenAI / FastAPI JSON, else the raw text),
+    at most MAX_WORKER_MESSAGE characters: a worker's error never sizes the client's."""
+    try:
+        data = json.loads(content)
+    except (ValueError, RecursionError):
+        return _clip(content[:MAX_WORKER_MESSAGE].decode("utf-8", "replace"))
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return _clip(str(err.get("message") or err.get("detail") or err))
+        return _clip(str(err))
+    return _clip(str(data))
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_WORKER_MESSAGE else text[:MAX_WORKER_MESSAGE - 1] + "…"

@@ -70,6 +70,7 @@ from proserve.scheduler.registry import router_order
 from proserve.scheduler.routing.base import DecodeInstance, PrefillInstance
 
 from .config import WORKER_KEY_ENV, DispatcherConfig, PrefillSpec
+from .errors import worker_error_message
 
 logger = logging.getLogger("proserve.dispatcher")
 
@@ -329,7 +330,7 @@ class Registry:
         try:
             async with http.get(w.url + path, timeout=timeout) as r:
                 status = r.status
-                await read_capped(r, MAX_SHORT_ANSWER_BYTES, truncate=True)
+                body = await read_capped(r, MAX_SHORT_ANSWER_BYTES, truncate=True)
             if status == 200 and w.model is None:
                 path = "/v1/models"
                 async with http.get(w.url + path, timeout=timeout) as r:
@@ -355,8 +356,9 @@ class Registry:
             return "bad_answer", f"health check failed: {path}: bad answer: {type(e).__name__}: {e}"
         if status == 401:
             return "unauthorized", f"{path} answered 401: the worker rejected the dispatcher's worker key"
-        if status != 200:
-            return "bad_status", f"health check failed: {path} answered {status}"
+        if status != 200:   # with the worker's reason (e.g. its KV receiver's), if it gave one
+            why = worker_error_message(body) if path == "/health" and body else ""
+            return "bad_status", f"health check failed: {path} answered {status}" + (f": {why}" if why else "")
         return "ok", ""
 
     async def scrape(self, w: Worker) -> bool:

@@ -86,7 +86,7 @@ from proserve.scheduler.tdg import slo_attained
 from . import fanout
 from .auth import Authorizer, Grant
 from .config import ConfigError, DispatcherConfig, KeyEntry
-from .errors import ApiError, UpstreamError, error_body
+from .errors import ApiError, UpstreamError, error_body, worker_error_message
 from .http_protocol import http_protocol
 from .instances import (
     MAX_SHORT_ANSWER_BYTES,
@@ -319,7 +319,7 @@ class Dispatcher:
                 self.registry.key_rejected(w, "/tokenize answered 401")
                 failures.append(f"{w.name}: {_WORKER_KEY_REJECTED}")
                 continue
-            msg = _error_message_bytes(content)
+            msg = worker_error_message(content)
             # the worker judged the body (400, 413, 422): the client's error. Any other status,
             # 4xx included (404: no /tokenize there, 429: busy), is the worker's: the next one
             # is tried, then 502 (make_job checked the model name whenever the dispatcher knows it)
@@ -723,29 +723,6 @@ def _headers(job: Job | fanout.FanOut) -> dict[str, str]:
     return h
 
 
-#: characters of a worker's error message passed on to the client
-MAX_WORKER_MESSAGE = 500
-
-
-def _error_message_bytes(content: bytes) -> str:
-    """The message of a worker's error body (OpenAI / FastAPI JSON, else the raw text),
-    at most MAX_WORKER_MESSAGE characters: a worker's error never sizes the client's."""
-    try:
-        data = json.loads(content)
-    except (ValueError, RecursionError):
-        return _clip(content[:MAX_WORKER_MESSAGE].decode("utf-8", "replace"))
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return _clip(str(err.get("message") or err.get("detail") or err))
-        return _clip(str(err))
-    return _clip(str(data))
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_WORKER_MESSAGE else text[:MAX_WORKER_MESSAGE - 1] + "…"
-
-
 def _answer_problem(item: dict) -> str | None:
     """What is wrong with the shape of a worker's answer (or streamed event) in the
     fields the dispatcher reads, or None: ``choices`` a list of objects (their
@@ -786,7 +763,7 @@ def _http_error(w: Worker, status: int, content: bytes) -> Exception:
     is the worker refusing the dispatcher's own key: the worker's (configuration) error."""
     if status == 401:
         return UpstreamError(w.name, _WORKER_KEY_REJECTED, status)
-    msg = _error_message_bytes(content)
+    msg = worker_error_message(content)
     if 400 <= status < 500:
         return ApiError(status, msg)
     return UpstreamError(w.name, f"HTTP {status}: {msg}", status)

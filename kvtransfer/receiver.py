@@ -285,8 +285,12 @@ class KVReceiver:
     dropped). :attr:`alive` tells whether it runs, :attr:`heartbeat` when it
     last went round its loop (``time.monotonic()``; at least every 100 ms);
     with ``heartbeat_path`` it also writes ``{"time", "pid", "address",
-    "name", "closed", "stats"}`` as JSON to that file about once a second
-    (atomically), for a health check in another process.
+    "name", "closed", "stopped", "stats"}`` as JSON to that file about once a
+    second (atomically), for a health check in another process. A receiver
+    that can no longer receive says so in the file at once rather than by
+    falling silent: ``closed`` after :meth:`close`, ``stopped`` (the reason)
+    when its thread ended on an error or, with CURVE, its ZAP handler died.
+    Only a thread that hangs is left to the file's age.
     """
 
     def __init__(self, address: str | None = None, *, port: int = 0,
@@ -559,8 +563,9 @@ class KVReceiver:
                     self._guarded(self._run_commands)
                 if msg is not None and msg[0] != self._wake_id:
                     self._guarded(self._on_message, *msg)
-        except Exception:
+        except Exception as e:
             log.exception("kvtransfer receiver %s: thread ended by a socket error", self.name)
+            self._write_heartbeat(stopped=f"receiver thread ended: {type(e).__name__}: {e}")
         finally:
             sock.close(0)
             with self._cond:
@@ -909,7 +914,10 @@ class KVReceiver:
         st.set("open_transfers", len(self._open))
         st.set("peers", len(self._peers))
         if self.alive:
-            self._write_heartbeat()   # (not for a receiver that refuses every connection: see alive)
+            self._write_heartbeat()
+        elif not self._closing:       # it refuses every connection (see alive): say so, once a second
+            self._write_heartbeat(stopped="the CURVE authentication (ZAP) handler stopped: "
+                                          "every connection is refused")
 
     def _gc(self, now: float) -> None:
         for x, t in list(self._open.items()):
@@ -948,12 +956,12 @@ class KVReceiver:
                                 "CURVE" if self.curve else "ZMTP", zmq.Event(event["event"]).name,
                                 self._handshake_failures)
 
-    def _write_heartbeat(self, closed: bool = False) -> None:
+    def _write_heartbeat(self, closed: bool = False, stopped: str | None = None) -> None:
         path = self.heartbeat_path
         if path is None:
             return
         data = {"time": time.time(), "pid": os.getpid(), "address": self.address, "name": self.name,
-                "closed": closed, "stats": self.stats.snapshot()}
+                "closed": closed, "stopped": stopped, "stats": self.stats.snapshot()}
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:

@@ -6,11 +6,16 @@ Two jobs vLLM's server does not do by itself:
 
 * **The KV receiver's liveness is part of ``/health``.** A decode worker's
   receiver thread runs in the engine process and writes a heartbeat file
-  about once a second (``KVReceiver(heartbeat_path=...)``). When that file
-  is missing or older than ``PROSERVE_KV_HEARTBEAT_MAX_AGE`` seconds
-  (default 5), ``GET /health`` answers 503 with the reason, so the
-  dispatcher takes the worker out instead of sending it requests whose KV
-  can never arrive. Otherwise vLLM's own ``/health`` answers.
+  about once a second (``KVReceiver(heartbeat_path=...)``). ``GET /health``
+  answers 503 with the reason, so the dispatcher takes the worker out
+  instead of sending it requests whose KV can never arrive, when the file
+  is missing, when it says the receiver is closed or stopped (its thread
+  ended on an error, its ZAP handler died: said at once), or when it is
+  older than ``PROSERVE_KV_HEARTBEAT_MAX_AGE`` seconds (default 20: a
+  thread that hangs without a word; a busy engine process on a loaded host
+  can leave a live thread unscheduled for seconds, and a worker that
+  serves must not be taken out for that). Otherwise vLLM's own
+  ``/health`` answers.
 * **``GET /kv/status``** answers the receiver's heartbeat file as JSON (its
   counters: transfers, rejections by reason, bytes held...), 404 on a worker
   without a receiver.
@@ -41,6 +46,10 @@ OPEN_PATHS = ("/health", "/metrics")
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 
+#: default of PROSERVE_KV_HEARTBEAT_MAX_AGE (s): see the module doc
+DEFAULT_HEARTBEAT_MAX_AGE_S = 20.0
+
+
 def receiver_problem(path: str | None, max_age: float, now: float | None = None) -> str | None:
     """Why the KV receiver counts as dead (None when it is alive or there is none)."""
     if not path:
@@ -49,14 +58,19 @@ def receiver_problem(path: str | None, max_age: float, now: float | None = None)
         age = (time.time() if now is None else now) - os.stat(path).st_mtime
     except OSError:
         return f"KV receiver heartbeat {path} is missing (receiver not running)"
-    if age > max_age:
-        return f"KV receiver heartbeat is {age:.1f} s old (receiver thread stopped)"
     try:
         with open(path) as f:
-            closed = json.load(f).get("closed") is True
+            data = json.load(f)
+        closed, stopped = data.get("closed") is True, data.get("stopped")
     except (OSError, ValueError, AttributeError):
-        return None   # being replaced right now (written atomically, but it may vanish): the age says alive
-    return "KV receiver is closed (the engine is shutting down)" if closed else None
+        closed, stopped = False, None   # being replaced right now (written atomically, but it may vanish)
+    if closed:
+        return "KV receiver is closed (the engine is shutting down)"
+    if stopped:
+        return f"KV receiver stopped: {str(stopped)[:300]}"
+    if age > max_age:
+        return f"KV receiver heartbeat is {age:.1f} s old (receiver thread hung or stopped)"
+    return None
 
 
 async def _json(send, status: int, message: str, type_: str, code) -> None:
@@ -72,7 +86,7 @@ class WorkerGuard:
     def __init__(self, app) -> None:
         self.app = app
         self.heartbeat = os.environ.get(HEARTBEAT_ENV) or None
-        self.max_age = float(os.environ.get(HEARTBEAT_MAX_AGE_ENV) or 5.0)
+        self.max_age = float(os.environ.get(HEARTBEAT_MAX_AGE_ENV) or DEFAULT_HEARTBEAT_MAX_AGE_S)
         key = os.environ.get("VLLM_API_KEY") or ""
         self._key = hashlib.sha256(key.encode()).digest() if key else None
 

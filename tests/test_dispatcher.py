@@ -294,6 +294,11 @@ def test_a_worker_that_stops_answering_fails_its_requests_fast_and_leaves_the_se
             assert asyncio.get_running_loop().time() - t0 < 2.0   # not the 60 s idle timeout
             assert status == 200 and ev[-2]["error"]["code"] == 502 and ev[-1] == "[DONE]"
             assert not h.d.registry.decode[0].healthy
+            for _ in range(100):     # the health check's failure names the worker's own reason
+                if "answered 503: fake worker: hanging" in h.d.registry.decode[0].last_error:
+                    break
+                await asyncio.sleep(0.05)
+            assert "/health answered 503: fake worker: hanging (fail=hang)" in h.d.registry.decode[0].last_error
             for _ in range(6):                                  # new requests go to the survivor
                 r = await h.post("/v1/completions", body())
                 assert r.status_code == 200

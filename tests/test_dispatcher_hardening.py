@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 from dispatcher_helpers import RawConn, harness, metric, post_head, run, until
 
+from proserve.dispatcher import errors as errors_mod
 from proserve.dispatcher import server as server_mod
 from proserve.dispatcher.config import (
     ConfigError,
@@ -678,13 +679,13 @@ def test_a_workers_error_message_is_clipped_before_it_reaches_the_client():
             huge = "x" * 5_000_000
             for w in h.prefills:
                 w.tokenize_status, w.tokenize_message = 500, huge
-            _error = server_mod._error_message_bytes
-            assert len(_error(json.dumps({"error": {"message": huge}}).encode())) == server_mod.MAX_WORKER_MESSAGE
-            assert len(_error(json.dumps({"detail": huge}).encode())) == server_mod.MAX_WORKER_MESSAGE
-            assert len(_error(huge.encode())) == server_mod.MAX_WORKER_MESSAGE
+            _error, limit = errors_mod.worker_error_message, errors_mod.MAX_WORKER_MESSAGE
+            assert len(_error(json.dumps({"error": {"message": huge}}).encode())) == limit
+            assert len(_error(json.dumps({"detail": huge}).encode())) == limit
+            assert len(_error(huge.encode())) == limit
             assert _error(b'{"error": {"message": "short"}}') == "short"
             r = await h.post("/v1/completions", {"prompt": "a b c", "max_tokens": 2})
-            assert r.status_code == 502 and len(r.content) < 4 * server_mod.MAX_WORKER_MESSAGE, r.text
+            assert r.status_code == 502 and len(r.content) < 4 * limit, r.text
     run(go())
 
 

@@ -540,18 +540,42 @@ def test_curve_fails_closed_without_its_zap_handler(keys, closing):
 
 def test_a_receiver_whose_zap_handler_died_is_not_alive(keys, tmp_path, closing):
     """Without its ZAP handler a CURVE receiver refuses every connection: it stops
-    counting as alive and stops refreshing its heartbeat (the worker's /health)."""
+    counting as alive and its heartbeat file says why (the worker's /health answers
+    503 at once, not once the file has aged)."""
+    from proserve.prefill.worker_http import receiver_problem
     hb = tmp_path / "rx.json"
     rx = KVReceiver(curve=ServerKeys.load(keys), heartbeat_path=hb)
     closing(rx)
     _until(hb.exists, what="heartbeat file")
-    assert rx.alive
+    assert rx.alive and receiver_problem(str(hb), 3600) is None
     assert rx._auth.stop()
     assert not rx.alive
-    time.sleep(0.2)                      # a heartbeat being written right now may still land
-    seen = hb.stat().st_mtime
-    time.sleep(2.5)                      # the heartbeat is rewritten about once a second
-    assert hb.stat().st_mtime == seen
+
+    def stopped():
+        try:
+            return json.loads(hb.read_text()).get("stopped")
+        except ValueError:      # (replaced atomically; never half-written, but be safe)
+            return None
+    _until(stopped, what="the heartbeat file to say the receiver stopped")
+    assert "ZAP" in stopped()
+    assert "ZAP" in receiver_problem(str(hb), 3600)
+
+
+def test_a_receiver_whose_thread_ended_says_so_in_its_heartbeat(tmp_path, closing):
+    """A socket error ends the receiver's thread: the heartbeat file says so (the
+    worker's /health answers 503 with the reason at once) instead of only ageing."""
+    from proserve.prefill.worker_http import receiver_problem
+    hb = tmp_path / "rx.json"
+    rx = KVReceiver(heartbeat_path=hb)
+    closing(rx)
+    _until(hb.exists, what="heartbeat file")
+
+    def broken(sock):
+        raise zmq.ZMQError(zmq.ENOTSOCK, "socket gone")
+    rx._recv = broken                     # the loop looks it up on every round
+    _until(lambda: not rx.alive, what="the thread to end")
+    why = receiver_problem(str(hb), 3600)
+    assert why is not None and "receiver thread ended" in why and "socket gone" in why, why
 
 
 def test_take_collects_a_result_without_blocking_or_raising(closing):

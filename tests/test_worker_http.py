@@ -65,6 +65,32 @@ def test_health_follows_the_receiver_heartbeat(tmp_path, monkeypatch):
     hb.write_text(json.dumps({"time": time.time(), "closed": True, "stats": {}}))
     status, body, _ = call(g, "/health")
     assert status == 503 and "closed" in body["error"]["message"]
+    # a receiver whose thread ended (or whose ZAP handler died) says so: 503 at once, with its reason
+    hb.write_text(json.dumps({"time": time.time(), "closed": False, "stopped": "receiver thread ended: boom"}))
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "receiver thread ended: boom" in body["error"]["message"]
+    hb.write_text(json.dumps(["not", "an", "object"]))      # the age alone decides then
+    assert call(g, "/health")[0] == 200
+
+
+def test_a_live_receiver_left_unscheduled_for_seconds_stays_healthy_by_default(tmp_path, monkeypatch):
+    """The CI failure of 2026-11-28: a decode worker serving on a loaded 2-core host
+    answered 503 for a few seconds (heartbeat over the old 5 s default), and the
+    dispatcher took the only surviving decode worker out. A dead receiver now says so
+    in the file; the age only catches a hung thread, at 20 s by default."""
+    hb = tmp_path / "kv.heartbeat"
+    hb.write_text(json.dumps({"time": time.time(), "closed": False, "stopped": None}))
+    monkeypatch.delenv(worker_http.HEARTBEAT_MAX_AGE_ENV, raising=False)
+    monkeypatch.setenv(worker_http.HEARTBEAT_ENV, str(hb))
+    g = worker_http.WorkerGuard(None)
+    assert g.max_age == worker_http.DEFAULT_HEARTBEAT_MAX_AGE_S == 20.0
+    old = time.time() - 10
+    os.utime(hb, (old, old))
+    assert call(g, "/health")[0] == 200
+    old = time.time() - 25
+    os.utime(hb, (old, old))
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "25" in body["error"]["message"] and "hung" in body["error"]["message"]
 
 
 def test_no_receiver_means_plain_vllm_health(monkeypatch):
