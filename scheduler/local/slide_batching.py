@@ -288,6 +288,22 @@ class SlideBatching(LocalPolicy):
         """Lines 6-7: the least of ``bounds`` less the headroom, at most the cap, at least the floor."""
         return max(min(min(bounds) - h * self.eta, self.budget_cap * self.eta), (1.0 - h) * self.eta)
 
+    def _step_parts(self, Q, execs: list[float], remains: list[float], prompt_remains: list[float],
+                    h: float) -> tuple[float, list[tuple[float, float]], list[float]]:
+        """What :meth:`_stretched` and :meth:`_catch_up_budget` size a step from: ``t_c`` plus
+        the decodes' exec (every step pays it), each queued prompt's (remain from
+        ``prompt_remains`` less the headroom, exec), and each decode's remain."""
+        fixed = self.est.t_c
+        prompts: list[tuple[float, float]] = []
+        decode_remains: list[float] = []
+        for r, ex, rem, prem in zip(Q, execs, remains, prompt_remains):
+            if r.prefilled >= r.prefill_len:
+                fixed += ex
+                decode_remains.append(rem)
+            else:
+                prompts.append((prem - h * self.eta, ex))
+        return fixed, prompts, decode_remains
+
     def _stretched(self, Q, execs: list[float], remains: list[float], t_budget: float, h: float) -> float:
         """With ``stretch`` (and ``pace="first_token"``): the budget when a queued prompt is at
         risk at ``t_budget``, i.e. the prompts in remain order do not all end by their
@@ -299,13 +315,7 @@ class SlideBatching(LocalPolicy):
         decode's TDG deadline is given up, only the running-mean pace, and the prompt's first
         token (and a late prompt's decodes, whose deadlines are fixed from its arrival) come
         sooner. Never shorter than ``t_budget``."""
-        fixed = self.est.t_c
-        prompts = []
-        for r, ex, rem in zip(Q, execs, remains):
-            if r.prefilled >= r.prefill_len:
-                fixed += ex
-            else:
-                prompts.append((rem - h * self.eta, ex))
+        fixed, prompts, _ = self._step_parts(Q, execs, remains, remains, h)
         if not prompts:
             return t_budget
         cum = 0.0
@@ -337,16 +347,8 @@ class SlideBatching(LocalPolicy):
         its prefill done soonest, and past saturation that is most of the queue:
         Algorithm 1 as set decides there)."""
         margin = self.catch_up * self.eta
-        late = False
-        fixed = self.est.t_c
-        prompts = []
-        for r, ex, rem, pac in zip(Q, execs, remains, paced):
-            if r.prefilled >= r.prefill_len:
-                fixed += ex
-                late = late or rem < margin
-            else:
-                prompts.append((pac - h * self.eta, ex))
-        if not late:
+        fixed, prompts, decode_remains = self._step_parts(Q, execs, remains, paced, h)
+        if not any(rem < margin for rem in decode_remains):
             return math.inf
         need = fixed
         cum = 0.0
