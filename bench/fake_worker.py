@@ -25,7 +25,8 @@ as vLLM's do.
 More knobs for the dispatcher's failure handling:
 
 * ``health_delay_s`` / ``metrics_delay_s`` / ``tokenize_delay_s``: ``/health`` /
-  ``/metrics`` / ``/tokenize`` answer that late (a busy worker);
+  ``/metrics`` / ``/tokenize`` answer that late (a busy worker); ``health_message``:
+  the reason in the body of the 503 a hanging worker's ``/health`` answers;
   ``tokenize_status`` (and ``tokenize_message``): ``/tokenize`` answers that
   status with an error body;
 * ``require_key``: every endpoint demands ``Authorization: Bearer <key>`` (401
@@ -87,6 +88,7 @@ class FakeWorker:
     drop_next: int = 0              # close the connection of the next N generation requests (only those)
     fail_after_tokens: int = 0
     health_delay_s: float = 0.0
+    health_message: str = "fake worker: hanging (fail=hang)"   # the 503's error message, as WorkerGuard's
     metrics_delay_s: float = 0.0
     tokenize_delay_s: float = 0.0
     require_key: str | None = None
@@ -126,7 +128,7 @@ class FakeWorker:
         if self.fail in ("500", "hang") and self.fail_if is None:
             if self.fail == "500":
                 return web.Response(status=500)
-            return web.json_response({"error": {"message": "fake worker: hanging (fail=hang)",   # as WorkerGuard's
+            return web.json_response({"error": {"message": self.health_message,   # as WorkerGuard's
                                                 "type": "service_unavailable", "param": None, "code": 503}},
                                      status=503)
         return web.Response(text="")

@@ -358,6 +358,7 @@ class Registry:
             return "unauthorized", f"{path} answered 401: the worker rejected the dispatcher's worker key"
         if status != 200:   # with the worker's reason (e.g. its KV receiver's), if it gave one
             why = worker_error_message(body) if path == "/health" and body else ""
+            why = "".join(c if c.isprintable() else "?" for c in why)     # one log line, whatever it sent
             return "bad_status", f"health check failed: {path} answered {status}" + (f": {why}" if why else "")
         return "ok", ""
 

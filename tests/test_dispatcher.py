@@ -288,6 +288,7 @@ def test_a_worker_that_stops_answering_fails_its_requests_fast_and_leaves_the_se
             while not dw.received:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
+            dw.health_message = "receiver gone\nforged log line"
             dw.fail, dw.fail_after_tokens = "hang", 1        # health answers 503 from now on
             t0 = asyncio.get_running_loop().time()
             status, ev = await asyncio.wait_for(task, 10)
@@ -295,10 +296,11 @@ def test_a_worker_that_stops_answering_fails_its_requests_fast_and_leaves_the_se
             assert status == 200 and ev[-2]["error"]["code"] == 502 and ev[-1] == "[DONE]"
             assert not h.d.registry.decode[0].healthy
             for _ in range(100):     # the health check's failure names the worker's own reason
-                if "answered 503: fake worker: hanging" in h.d.registry.decode[0].last_error:
+                if "answered 503: receiver gone" in h.d.registry.decode[0].last_error:
                     break
                 await asyncio.sleep(0.05)
-            assert "/health answered 503: fake worker: hanging (fail=hang)" in h.d.registry.decode[0].last_error
+            # (its newline replaced: a worker's text cannot forge a line of the dispatcher's log)
+            assert "/health answered 503: receiver gone?forged log line" in h.d.registry.decode[0].last_error
             for _ in range(6):                                  # new requests go to the survivor
                 r = await h.post("/v1/completions", body())
                 assert r.status_code == 200
