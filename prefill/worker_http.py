@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import time
 
 HEARTBEAT_ENV = "PROSERVE_KV_HEARTBEAT"
@@ -48,6 +49,8 @@ VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 #: default of PROSERVE_KV_HEARTBEAT_MAX_AGE (s): see the module doc
 DEFAULT_HEARTBEAT_MAX_AGE_S = 20.0
+#: a heartbeat file is a few KiB of counters; anything larger is not read (its age decides)
+MAX_HEARTBEAT_BYTES = 1 << 20
 
 
 def receiver_problem(path: str | None, max_age: float, now: float | None = None) -> str | None:
@@ -55,15 +58,17 @@ def receiver_problem(path: str | None, max_age: float, now: float | None = None)
     if not path:
         return None
     try:
-        age = (time.time() if now is None else now) - os.stat(path).st_mtime
+        st = os.stat(path)
     except OSError:
         return f"KV receiver heartbeat {path} is missing (receiver not running)"
-    try:
-        with open(path) as f:
-            data = json.load(f)
+    if not stat.S_ISREG(st.st_mode):     # (a FIFO would block the server's event loop on open)
+        return f"KV receiver heartbeat {path} is not a regular file"
+    age = (time.time() if now is None else now) - st.st_mtime
+    data = _read_heartbeat(path) if st.st_size <= MAX_HEARTBEAT_BYTES else None
+    if isinstance(data, dict):
         closed, stopped = data.get("closed") is True, data.get("stopped")
-    except (OSError, ValueError, AttributeError):
-        closed, stopped = False, None   # being replaced right now (written atomically, but it may vanish)
+    else:   # unreadable, being replaced right now (written atomically, but it may vanish), or too big
+        closed, stopped = False, None
     if closed:
         return "KV receiver is closed (the engine is shutting down)"
     if stopped:
@@ -71,6 +76,15 @@ def receiver_problem(path: str | None, max_age: float, now: float | None = None)
     if age > max_age:
         return f"KV receiver heartbeat is {age:.1f} s old (receiver thread hung or stopped)"
     return None
+
+
+def _read_heartbeat(path: str):
+    """The heartbeat file's JSON (any type), or None when it cannot be read or parsed."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read(MAX_HEARTBEAT_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 async def _json(send, status: int, message: str, type_: str, code) -> None:
@@ -121,11 +135,16 @@ class WorkerGuard:
         if not self.heartbeat:
             return await _json(send, 404, "this worker has no KV receiver", "not_found_error", 404)
         try:
-            with open(self.heartbeat) as f:
-                body = f.read().encode()
+            if not stat.S_ISREG(os.stat(self.heartbeat).st_mode):
+                raise OSError("not a regular file")
+            with open(self.heartbeat, "rb") as f:
+                body = f.read(MAX_HEARTBEAT_BYTES + 1)
+            if len(body) > MAX_HEARTBEAT_BYTES:
+                raise ValueError(f"over {MAX_HEARTBEAT_BYTES} bytes")
             json.loads(body)
-        except (OSError, ValueError) as e:
-            return await _json(send, 503, f"KV receiver status unavailable: {e}", "service_unavailable", 503)
+        except (OSError, ValueError, RecursionError) as e:
+            return await _json(send, 503, f"KV receiver status unavailable: {str(e)[:200]}", "service_unavailable",
+                               503)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -73,6 +73,30 @@ def test_health_follows_the_receiver_heartbeat(tmp_path, monkeypatch):
     assert call(g, "/health")[0] == 200
 
 
+def test_a_heartbeat_path_that_is_not_the_receivers_file_never_blocks_or_raises(tmp_path, monkeypatch):
+    """Found by an adversarial pass (2026-11-28): /health read the whole heartbeat file on
+    the server's event loop, so a FIFO at the path blocked it and a deeply nested file
+    raised RecursionError (a 500 instead of an answer). Now: not a regular file is a
+    503 with that reason; a file too big or too deep to parse is judged by its age."""
+    hb = tmp_path / "kv.heartbeat"
+    g = make_guard(monkeypatch, heartbeat=hb)
+    os.mkfifo(hb)
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "not a regular file" in body["error"]["message"]
+    assert call(g, "/kv/status")[0] == 503
+    os.remove(hb)
+    hb.write_text("[" * 100_000 + "]" * 100_000)
+    assert call(g, "/health")[0] == 200          # fresh: its age says alive
+    assert call(g, "/kv/status")[0] == 503
+    hb.write_text(json.dumps({"closed": True, "pad": "x" * (worker_http.MAX_HEARTBEAT_BYTES + 1)}))
+    assert call(g, "/health")[0] == 200          # not read: its age decides
+    status, body, _ = call(g, "/kv/status")
+    assert status == 503 and "bytes" in body["error"]["message"]
+    old = time.time() - 60
+    os.utime(hb, (old, old))
+    assert call(g, "/health")[0] == 503
+
+
 def test_a_live_receiver_left_unscheduled_for_seconds_stays_healthy_by_default(tmp_path, monkeypatch):
     """The CI failure of 2026-11-28: a decode worker serving on a loaded 2-core host
     answered 503 for a few seconds (heartbeat over the old 5 s default), and the
