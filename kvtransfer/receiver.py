@@ -231,7 +231,7 @@ _RECEIVER_STATS = ("bytes_received", "chunks_received", "messages_received", "tr
                    "transfers_failed", "transfers_aborted", "transfers_abandoned", "transfers_stale",
                    "results_expired", "acks_sent", "nacks_sent", "credit_messages", "send_failures",
                    "wait_timeouts", "held_bytes_max", "late_done", "internal_errors", "auth_failures",
-                   "handshake_failures", "heartbeat_write_errors",
+                   "handshake_failures", "heartbeat_write_errors", "senders_refused",
                    # gauges, refreshed about once a second by the receiver thread
                    "held_bytes", "open_transfers", "stored_results", "peers")
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -280,6 +280,14 @@ class KVReceiver:
         open transfers with no data for that long fail (``stale``); results
         nobody collected are dropped after that long.
 
+    Layout check: with ``check_layout``, every new connection's ``hello``
+    carries the sender's layout string (:mod:`proserve.kvtransfer.wire`), and
+    ``check_layout(layout)`` returns why this receiver cannot take that
+    sender's KV, or None; a reason is answered with ``refuse`` (the sender
+    fails its transfers with it) and counted as ``senders_refused``. It
+    catches a misconfigured peer at the first contact; it does not
+    authenticate (CURVE does).
+
     Liveness: the thread survives any message (an unexpected error while
     handling one is counted as ``internal_errors``, logged, and the message
     dropped). :attr:`alive` tells whether it runs, :attr:`heartbeat` when it
@@ -303,6 +311,7 @@ class KVReceiver:
                  stale_after_s: float = DEFAULT_STALE_AFTER_S, result_ttl_s: float = DEFAULT_RESULT_TTL_S,
                  curve: ServerKeys | None = None, allow_insecure: bool = False,
                  heartbeat_path: str | os.PathLike | None = None,
+                 check_layout: Callable[[str], str | None] | None = None,
                  ctx: zmq.Context | None = None, name: str | None = None):
         W = "KVReceiver"
         validate.integer(W, "credit_bytes", credit_bytes, MIN_CREDIT_BYTES)   # senders refuse smaller grants
@@ -338,6 +347,8 @@ class KVReceiver:
         self.heartbeat_path = os.fspath(heartbeat_path) if heartbeat_path is not None else None
         self.curve = curve is not None
         self._on_chunk = on_chunk
+        self._check_layout = check_layout
+        self._refused = 0
         # the optional keywords on_chunk takes (offset, layer_shape, step)
         self._chunk_kwargs = tuple(k for k in ("offset", "layer_shape", "step")
                                    if on_chunk is not None and accepts_kwargs(on_chunk, (k,)))
@@ -664,8 +675,30 @@ class KVReceiver:
         elif kind == "abort":
             self._on_abort(peer, msg.header)
         else:  # hello
+            why = self._layout_problem(msg.header["layout"])
+            if why is not None:
+                self._refuse(peer, why)
+                return
             self._send(peer, wire.encode("credit", bytes=self.credit_bytes, init=True,
                                          max_message=self.max_message_bytes))
+
+    def _layout_problem(self, layout: str) -> str | None:
+        """Why this receiver takes no KV from a sender of ``layout`` (None: it does)."""
+        if self._check_layout is None:
+            return None
+        try:
+            why = self._check_layout(layout)
+        except Exception as e:   # a check that fails refuses, and says so
+            why = f"its layout could not be checked ({type(e).__name__}: {e})"
+        return None if why is None else str(why)
+
+    def _refuse(self, peer: bytes, why: str) -> None:
+        self._refused += 1
+        self.stats.add("senders_refused")
+        if worth_logging(self._refused):
+            log.error("kvtransfer receiver %s: refused a sender: %s (%d refused so far)", self.name, why,
+                      self._refused)
+        self._send(peer, wire.encode("refuse", reason=why[:wire.MAX_REASON_LEN]))
 
     def _reject(self, peer: bytes, reason: str, detail: str, xfer: str | None, fail: bool = False) -> None:
         """Count and log a rejected message; ``nack`` its sender about ``xfer``; with

@@ -395,6 +395,11 @@ class KVSender:
     breaker, a failure reopens it. :meth:`destinations` and
     :meth:`destination_ok` report the state.
 
+    ``layout`` goes to the receiver in every connection's ``hello``
+    (:mod:`proserve.kvtransfer.wire`); a receiver that cannot take this
+    sender's KV answers ``refuse``, which fails the connection like a reset,
+    with the receiver's reason.
+
     Security: with ``curve=ClientKeys.load(dir)`` every connection is CURVE
     encrypted and authenticated (the receiver must hold the matching server
     key and admit this client key). Without keys a destination that is not on
@@ -413,8 +418,10 @@ class KVSender:
                  timeout: float = DEFAULT_TIMEOUT_S, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  breaker_cooldown_s: float = 2.0, breaker_max_cooldown_s: float = 30.0,
                  staging_slots: int = 2, curve: ClientKeys | None = None, allow_insecure_remote: bool = False,
-                 ctx: zmq.Context | None = None, name: str | None = None):
+                 layout: str = "", ctx: zmq.Context | None = None, name: str | None = None):
         W = "KVSender"
+        if not isinstance(layout, str) or len(layout) > wire.MAX_REASON_LEN:
+            raise ValueError(f"{W}: layout must be a str of at most {wire.MAX_REASON_LEN} characters")
         validate.integer(W, "chunk_bytes", chunk_bytes)
         validate.integer(W, "pack_bytes", pack_bytes, 0)              # 0: no packing
         validate.integer(W, "pack_layer_bytes", pack_layer_bytes, 0)
@@ -433,6 +440,7 @@ class KVSender:
         self.breaker_max_cooldown_s = max(float(breaker_max_cooldown_s), self.breaker_cooldown_s)
         self.curve = curve
         self.allow_insecure_remote = bool(allow_insecure_remote)
+        self.layout = layout
         self.name = name or f"kvsender-{uuid.uuid4().hex[:8]}"
         self._ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -452,7 +460,7 @@ class KVSender:
                            "transfers_started", "transfers_acked", "transfers_failed", "transfers_aborted",
                            "transfers_refused", "timeouts", "credit_waits", "credit_wait_s", "max_inflight_bytes",
                            "contiguous_copies", "channel_resets", "connect_timeouts", "connection_resets",
-                           "handshake_failures", "breaker_opens")
+                           "handshake_failures", "breaker_opens", "refusals")
 
     # ------------------------------------------------------------------ public
 
@@ -1057,7 +1065,7 @@ class KVSender:
         ch.ready = False
         ch.credit = ch.inflight = 0
         ch.connect_deadline = now + self.connect_timeout
-        s.send(wire.encode("hello"))
+        s.send(wire.encode("hello", layout=self.layout))
 
     def _drop_socket(self, ch: _Channel) -> None:
         if ch.sock is not None:
@@ -1102,6 +1110,12 @@ class KVSender:
             if msg.kind == "credit":
                 self._apply_credit(ch, h)
                 continue
+            if msg.kind == "refuse":
+                # the receiver will take nothing from this sender (e.g. its KV layout does not fit)
+                self.stats.add("refusals")
+                self._channel_failed(ch, f"the receiver at {ch.address} refuses this sender: {h['reason']}",
+                                     TransferError)
+                break   # the socket is closed now
             tx = self._tx.get(h["xfer"])
             if tx is None or tx.channel is not ch or tx.generation != ch.generation:
                 continue  # a late answer about a transfer we already gave up on

@@ -1,6 +1,6 @@
 """Engine-agnostic ZeroMQ KV-cache transport: :class:`KVSender` and :class:`KVReceiver`.
 
-Wire format: see :mod:`proserve.kvtransfer.wire` (version 2: msgpack header + one raw
+Wire format: see :mod:`proserve.kvtransfer.wire` (version 3: msgpack header + one raw
 payload frame; no pickle anywhere). Keys and addresses: see :mod:`proserve.kvtransfer.auth`.
 
 Pieces, chunks and packs
@@ -62,9 +62,10 @@ Flow control
 Credit-based, in bytes, per connection; chosen over ZeroMQ high-water marks
 because HWMs count messages, not bytes, apply per pipe on *both* ends (so the
 real bound is their sum, plus kernel buffers), and a blocked HWM send cannot be
-told apart from a dead peer. A new DEALER sends ``hello``; the receiver answers
-with ``credit(init=True, bytes=credit_bytes, max_message=...)``, the window
-(default 64 MiB). Every payload-carrying message costs ``len(payload) +
+told apart from a dead peer. A new DEALER sends ``hello`` (with the sender's
+``layout``, which a receiver built with ``check_layout`` may ``refuse``); the
+receiver answers with ``credit(init=True, bytes=credit_bytes, max_message=...)``,
+the window (default 64 MiB). Every payload-carrying message costs ``len(payload) +
 MESSAGE_OVERHEAD`` bytes of credit; the sender blocks (bounded by the
 transfer's wait budget, raising :class:`TransferTimeout`) when a chunk would
 exceed its remaining credit. The receiver returns credit after a chunk has been

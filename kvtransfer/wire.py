@@ -1,4 +1,4 @@
-"""Wire format of the ZeroMQ KV-cache transport (version 2).
+"""Wire format of the ZeroMQ KV-cache transport (version 3).
 
 Every message is a multipart ZeroMQ message::
 
@@ -19,9 +19,15 @@ no more and no less, each of the stated type (``bool`` is never accepted where a
 
 sender -> receiver
 
-``hello``  ``{}``
+``hello``  ``layout: str``
     First message on a new connection; the receiver answers with the initial
-    ``credit`` grant (see ``transport`` for the flow-control scheme).
+    ``credit`` grant (see ``transport`` for the flow-control scheme), or with
+    ``refuse`` when it cannot take this sender's KV. ``layout`` (at most
+    :data:`MAX_REASON_LEN` characters, empty when unused) is opaque to the
+    transport: the receiver's ``check_layout`` callable judges it (the vLLM
+    connector puts the sender's KV layout there -- tensor-parallel size and
+    rank, block size, dtype, block shape, layer count -- so that a prefill and
+    a decode engine that cannot exchange KV find out at the first contact).
 ``kv``     ``xfer: str, nbytes: int>=0, parts: [part]`` (1..:data:`MAX_PARTS` parts)
     KV of transfer ``xfer`` (the transfer id the caller issued: the
     dispatcher's id, never an engine-internal request id). The payload frame
@@ -71,11 +77,18 @@ receiver -> sender
 ``nack``   ``xfer: str, reason: str``
     The transfer failed on the receiver side (truncated, aborted, abandoned,
     chunk rejected, ...).
+``refuse`` ``reason: str``
+    The answer to ``hello`` when the receiver will take no KV from this
+    sender (its ``layout`` does not fit the receiver's engine). The sender
+    drops the connection and fails every transfer to this receiver with the
+    reason. A check of configuration, not of identity: authentication is
+    CURVE's job.
 
 Version history: 1 had one chunk per ``kv`` message, with the chunk's fields in
 the header itself and no ``step`` (the vLLM connector folded the step into
 ``layer``). Version 2 (this one) gives the step its own field and packs
-several parts into one message.
+several parts into one message. Version 3 adds ``hello``'s ``layout`` and the
+``refuse`` answer.
 """
 from __future__ import annotations
 
@@ -86,7 +99,7 @@ from typing import Any, Sequence
 import msgpack
 import zmq
 
-VERSION = 2
+VERSION = 3
 
 #: Allowed ``dtype`` strings and their item sizes in bytes.
 DTYPES: dict[str, int] = {
@@ -126,18 +139,19 @@ _UNPACK_LIMITS = {"raw": False, "strict_map_key": True, "use_list": True, "max_s
                   "max_bin_len": 0, "max_ext_len": 0, "max_array_len": MAX_BLOCKS, "max_map_len": 64}
 
 SENDER_KINDS = ("hello", "kv", "done", "abort")
-RECEIVER_KINDS = ("credit", "ack", "nack")
+RECEIVER_KINDS = ("credit", "ack", "nack", "refuse")
 
 # field -> type tag; "int" = non-negative int (never bool), "index" = int in 0..MAX_INDEX,
 # "ints" = list of non-negative ints, "parts" = list of PART_FIELDS maps.
 _FIELDS: dict[str, dict[str, str]] = {
-    "hello": {},
+    "hello": {"layout": "str"},
     "kv": {"xfer": "xfer", "nbytes": "int", "parts": "parts"},
     "done": {"xfer": "xfer", "chunks": "int", "layers": "int", "nbytes": "int", "digest": "digest"},
     "abort": {"xfer": "xfer", "reason": "str"},
     "credit": {"bytes": "int", "init": "bool", "max_message": "int"},
     "ack": {"xfer": "xfer", "chunks": "int", "nbytes": "int"},
     "nack": {"xfer": "xfer", "reason": "str"},
+    "refuse": {"reason": "str"},
 }
 #: The fields of one part of a ``kv`` message.
 PART_FIELDS: dict[str, str] = {"step": "index", "layer": "index", "seq": "index", "blocks": "ints",

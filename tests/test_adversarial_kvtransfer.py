@@ -266,7 +266,7 @@ def _random_message(rng: random.Random, xfers: list[str]) -> list[bytes]:
     if k < 0.8:
         return [msgpack.packb({"v": wire.VERSION, "kind": "abort", "xfer": x, "reason": "r"})]
     if k < 0.85:
-        return [msgpack.packb({"v": wire.VERSION, "kind": "hello"})]
+        return [msgpack.packb({"v": wire.VERSION, "kind": "hello", "layout": ""})]
     if k < 0.9:
         return [rng.randbytes(rng.randrange(20))]
     return [msgpack.packb({"v": wire.VERSION, "kind": rng.choice(["credit", "ack", "nack", "kv"]), "xfer": x})]
@@ -381,7 +381,7 @@ def test_a_peer_choosing_a_zero_prefixed_routing_id_cannot_kill_the_receiver(tmp
     socks = []
     try:
         host, port = p.stdout.readline().strip()[len("tcp://"):].rsplit(":", 1)
-        hello = msgpack.packb({"v": wire.VERSION, "kind": "hello"})
+        hello = msgpack.packb({"v": wire.VERSION, "kind": "hello", "layout": ""})
         first = _zmtp_connect(host, int(port))          # anonymous: the ROUTER picks its id
         _zmtp_send(first, hello)
         socks.append(first)

@@ -180,6 +180,54 @@ def test_empty_transfer_and_finish_async(closing):
         assert rx.wait(f"a{i}", timeout=5).layer_array(0).tolist() == [i] * 10
 
 
+def test_a_sender_whose_layout_does_not_fit_is_refused_at_the_first_contact(closing):
+    """The receiver judges each connection's hello layout: a sender it cannot take is refused
+    with the receiver's reason (every transfer fails with it, the destination's breaker opens),
+    before any KV travels; a sender whose layout fits is served on the same receiver."""
+    seen = []
+
+    def check(layout: str):
+        seen.append(layout)
+        return None if layout == "tp=2 rank=1" else f"this receiver takes tp=2 rank=1, not {layout!r}"
+
+    rx = KVReceiver(check_layout=check)
+    closing(rx)
+    bad = KVSender(rx.address, timeout=5, connect_timeout=5, layout="tp=1 rank=0")
+    closing(bad)
+    with pytest.raises(TransferError, match="refuses this sender: this receiver takes tp=2 rank=1, not 'tp=1 rank=0'"):
+        bad.send_layer("x1", 0, [0], np.zeros(16, np.float32))
+    st = bad.destinations()[rx.address]
+    assert st["state"] == "open" and "tp=2 rank=1" in st["last_error"]
+    with pytest.raises(T.DestinationUnavailable, match="tp=2 rank=1"):   # later transfers fail at once
+        bad.send_layer("x2", 0, [0], np.zeros(16, np.float32))
+    assert bad.stats.snapshot()["refusals"] == 1
+    good = KVSender(rx.address, timeout=5, layout="tp=2 rank=1")
+    closing(good)
+    good.send_layer("y", 0, [0], np.arange(16, dtype=np.float32))
+    good.finish("y", timeout=5)
+    assert rx.wait("y", timeout=5).layer_array(0).tolist() == list(range(16))
+    assert "x1" not in rx.completed() and rx.stats.snapshot()["senders_refused"] == 1
+    assert seen == ["tp=1 rank=0", "tp=2 rank=1"]
+
+
+def test_a_layout_check_that_raises_refuses_and_says_so(closing):
+    def check(layout: str):
+        raise KeyError("tp")
+
+    rx = KVReceiver(check_layout=check)
+    closing(rx)
+    tx = KVSender(rx.address, timeout=5, layout="{}")
+    closing(tx)
+    with pytest.raises(TransferError, match="could not be checked .KeyError"):
+        tx.send_layer("x", 0, [0], np.zeros(4, np.float32))
+    assert rx.alive
+
+
+def test_sender_layout_is_bounded():
+    with pytest.raises(ValueError, match="layout"):
+        KVSender("tcp://127.0.0.1:1", layout="x" * (wire.MAX_REASON_LEN + 1))
+
+
 def test_two_senders_interleave(closing):
     rx = KVReceiver()
     closing(rx)
@@ -476,7 +524,8 @@ def _part0(h: dict) -> dict:
     (lambda h: h.update(extra=1), "unknown_field", "extra"),
     # a version-1 header (the step folded into 'layer', one chunk per message)
     (lambda h: h.update(v=1, layer=0, seq=0), "bad_version", "v"),
-    (lambda h: h.update(v=3), "bad_version", "v"),
+    (lambda h: h.update(v=2), "bad_version", "v"),    # a version-2 peer (no hello layout, no refuse)
+    (lambda h: h.update(v=4), "bad_version", "v"),
     (lambda h: h.update(kind="ack"), "bad_kind", "kind"),
 ])
 def test_decode_rejects_bad_headers(mutate, reason, field):
@@ -490,7 +539,7 @@ def test_decode_rejects_bad_headers(mutate, reason, field):
 
 def test_an_old_version_is_refused_with_a_clear_error(closing):
     """A sender still speaking wire version 1 is told (nack) that the versions differ."""
-    with pytest.raises(WireError, match="wire version 2, the peer sent 1"):
+    with pytest.raises(WireError, match="wire version 3, the peer sent 1"):
         wire.decode([msgpack.packb({"v": 1, "kind": "hello"})], wire.SENDER_KINDS)
     rx = KVReceiver()
     closing(rx)
