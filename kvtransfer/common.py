@@ -146,6 +146,24 @@ def free_port(host: str = DEFAULT_HOST) -> int:
         return s.getsockname()[1]
 
 
+def device_api(device) -> Any:
+    """The torch module of an accelerator (``torch.cuda``, ``torch.npu``, ``torch.xpu``...):
+    each has ``Stream``, ``Event``, ``current_stream`` and ``stream``."""
+    import torch
+    mod = getattr(torch, device.type, None)
+    if mod is None or not hasattr(mod, "Stream") or not hasattr(mod, "Event"):
+        raise RuntimeError(f"no stream API for device type {device.type!r} (torch.{device.type})")
+    return mod
+
+
+def new_stream(api, device):
+    """A new stream on ``device`` (torch.cpu's stand-in takes no device)."""
+    try:
+        return api.Stream(device=device)
+    except TypeError:
+        return api.Stream()
+
+
 def accepts_kwargs(fn: Callable, names: Iterable[str]) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()

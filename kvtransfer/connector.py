@@ -22,36 +22,53 @@ attempt: an id already in use on this engine is refused):
 1. The caller sends the prompt to a prefill engine with ``max_tokens=1`` and
    ``kv_transfer_params = {"do_remote_decode": true, "xfer_id": X,
    "remote_addr": <decode engine's listen address>}``.
-2. Producer: every step, after each attention layer, ``save_kv_layer`` pushes
-   the blocks that step wrote for the request, as piece ``(step, layer)`` of
-   the transfer (the wire's ``step`` field; the blocks are logical positions
-   in the request). Large layers go out at once (pipelined per layer and per
-   prefill chunk); small ones are packed and the pack is sent at the end of
-   the step (``wait_for_save``). When the request finishes, ``request_finished`` keeps its
-   blocks and the worker sends "done" (with a digest of the prompt's token
-   ids) and collects the consumer's ack in the background; only then does
-   ``get_finished`` report the request so vLLM frees the blocks. A transfer
-   may spend ``timeout_s`` waiting on its receiver, all its layers and the
-   ack together (not per layer); a destination that
-   does not answer opens a circuit breaker (:class:`proserve.kvtransfer.sender.KVSender`)
-   and later transfers to it fail at once instead of stalling the forward
-   pass. The prefill response's ``kv_transfer_params`` then carries
+2. Producer: every step, after each attention layer, ``save_kv_layer`` stages
+   the blocks that step wrote for the request (one gather of the layer; on an
+   accelerator a copy to pinned host memory on a side stream, after an event
+   recorded on the forward stream) and returns: the sending is done by the
+   pusher's thread (:mod:`proserve.kvtransfer.pusher`), so the forward pass
+   waits neither for the network nor for flow-control credit. Each layer goes
+   out as piece ``(step, layer)`` of the transfer (the wire's ``step`` field;
+   the blocks are logical positions in the request). Large layers go out at
+   once (pipelined per layer and per prefill chunk); small ones are packed and
+   the pack is sent at the end of the step. When the request finishes,
+   ``request_finished`` keeps its blocks and the pusher sends "done" (with a
+   digest of the prompt's token ids) after the request's layers and collects
+   the consumer's ack; only then does ``get_finished`` report the request so
+   vLLM frees the blocks. A transfer may spend ``timeout_s`` waiting on its
+   receiver, all its layers and the ack together (not per layer); a
+   destination that does not answer opens a circuit breaker
+   (:class:`proserve.kvtransfer.sender.KVSender`) and later transfers to it
+   fail at once. The prefill response's ``kv_transfer_params`` then carries
    ``error`` (and ``kv_failed_dest`` when the destination is at fault) so
    the dispatcher sends the decode leg elsewhere or lets it recompute.
 3. The caller sends the same prompt to the decode engine with
    ``kv_transfer_params = {"do_remote_prefill": true, "xfer_id": X}``.
    Consumer: ``get_num_new_matched_tokens`` claims the prompt as loaded
-   asynchronously; once transfer X is complete in the receiver, the worker
-   checks it against this request and this engine's cache -- the digest of
-   the prompt's token ids, the layer count, dtype, block shape and block
-   coverage -- and only then writes it into the blocks vLLM allocated,
-   straight from the received frames into views of the cache
-   (:mod:`proserve.kvtransfer.kvcache`; a CUDA cache through one pinned buffer per
-   transfer, untested on a GPU). A
-   transfer that fails any check, fails on the wire or never arrives within
-   ``timeout_s`` is a load failure (``failed_recving``): with
-   ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally,
-   with ``"fail"`` the request ends with an error. Never an engine crash.
+   asynchronously; once transfer X is complete in the receiver, the loader's
+   thread (:mod:`proserve.kvtransfer.loader`) checks it against this request
+   and this engine's cache -- the digest of the prompt's token ids, the layer
+   count, dtype, block shape and block coverage -- and only then writes it
+   into the blocks vLLM allocated, straight from the received frames into
+   views of the cache (:mod:`proserve.kvtransfer.kvcache`; an accelerator's
+   cache through one pinned buffer per transfer, on a stream of its own); the
+   engine's step never waits for it. A transfer that fails any check, fails
+   on the wire or never arrives within ``timeout_s`` is a load failure
+   (``failed_recving``): with ``kv_load_failure_policy="recompute"`` vLLM
+   recomputes the prompt locally, with ``"fail"`` the request ends with an
+   error. Never an engine crash.
+
+Parallelism (:mod:`proserve.kvtransfer.layout`): with tensor parallelism every
+rank moves its own shard, rank r of the prefill engine to rank r of the decode
+engine, whose rank r listens on ``listen``'s port + r; each rank's ``hello``
+carries its layout and a decode rank refuses a prefill rank it cannot take
+(another tensor-parallel size, block size, model or cache dtype) with the
+reason, which the prefill response then carries. Pipeline parallelism is
+refused at start-up.
+
+CUDA graphs: a producer needs every layer's ``save_kv_layer`` to run, so it
+asks vLLM for piecewise graphs (:meth:`ProServeConnector.requires_piecewise_for_cudagraph`);
+a consumer (``layerwise_save: false``, set by the decode worker) keeps full graphs.
 
 Security: with ``keys_dir`` the KV sockets use ZeroMQ CURVE (the consumer's
 receiver admits only the client keys in ``keys_dir/clients``; the producer
@@ -60,9 +77,12 @@ binds only loopback/ipc addresses and the sender sends only to them, unless
 ``insecure: true`` is set explicitly.
 
 Extra config keys: ``listen``, ``timeout_s``, ``connect_timeout_s``,
-``keys_dir``, ``insecure``; consumer memory caps ``max_open_transfers``,
-``max_held_mib``, ``max_peer_mib``, ``max_message_mib``, ``result_ttl_s``,
-``stale_after_s``;
+``keys_dir``, ``insecure``, ``layerwise_save``; producer ``max_staged_mib``
+(layers staged and not yet with ZeroMQ, default 512); consumer memory caps
+``max_open_transfers``, ``max_held_mib``, ``max_peer_mib`` (default: from
+this rank's KV bytes per token and ``max_model_len``, see
+:func:`proserve.kvtransfer.layout.receiver_caps`), ``prefill_peers``,
+``max_message_mib``, ``result_ttl_s``, ``stale_after_s``;
 ``heartbeat_path`` (the receiver's liveness file, read by the worker's
 ``/health``); test hooks ``debug_dump_dir``, ``debug_corrupt``.
 """
@@ -90,8 +110,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import connector_metrics
 from .auth import ClientKeys, ServerKeys
-from .common import TransferError
-from .kvcache import LoadRejected, corrupt_first_block, plan_load, write
+from .layout import (
+    EXPECTED_PREFILL_PEERS,
+    Layout,
+    bytes_per_token,
+    check_sender,
+    rank_address,
+    rank_path,
+    receiver_caps,
+)
+from .layout import describe as layout_of
+from .loader import KVLoader
+from .pusher import FAILED_KEPT, KVPusher, Save
 from .receiver import KVReceiver
 from .sender import DestinationUnavailable, KVSender
 
@@ -108,13 +138,10 @@ log = logging.getLogger("proserve.kvtransfer")
 XFER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ADDR_RE = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:]+:\d{1,5}|ipc://[\w./-]{1,200})$")
 MIB = 1 << 20
-#: producer worker: failed transfer ids remembered (their later layers are skipped)
-FAILED_XFERS_KEPT = 4096
-#: scheduler side: ids used before and refused again; more than FAILED_XFERS_KEPT, so an
-#: id still remembered as failed can never start a new transfer that would be skipped
-USED_XFERS_KEPT = 4 * FAILED_XFERS_KEPT
-#: producer worker: KV destinations with a sender (sockets, breaker) at once
-MAX_DESTINATIONS = 64
+#: scheduler side: ids used before and refused again; more than the pusher remembers as
+#: failed (pusher.FAILED_KEPT), so an id still remembered as failed can never start a new
+#: transfer whose layers would be skipped
+USED_XFERS_KEPT = 4 * FAILED_KEPT
 
 
 class TransferParamsError(ValueError):
@@ -273,16 +300,46 @@ class ProServeConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._block_dim = 0
-        self._senders: collections.OrderedDict[str, KVSender] = collections.OrderedDict()  # least recent first
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = 0
+        self.layout: Layout | None = None
+        self._max_model_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
+        self._pusher: KVPusher | None = None
+        self._loader: KVLoader | None = None
         self._receiver: KVReceiver | None = None
         self._done_sending: set[str] = set()
-        self._finishing: dict[str, tuple[str, str]] = {}  # xfer -> (req_id, addr), awaiting ack
-        self._failed_xfers: collections.OrderedDict = collections.OrderedDict()  # xfer -> (addr, error)
+        self._finishing: dict[str, str] = {}            # xfer -> req_id: 'done' queued, outcome awaited
         self._meta_failed: dict[str, tuple[str, str]] = {}
         self._dest_reported: dict[str, float | None] = {}  # dest -> open_until last told (None: usable)
         self._step = 0                                  # producer: steps with saves, orders chunks
-        self._loads: dict[str, tuple[LoadSpec, float]] = {}
+        self._loads: dict[str, tuple[LoadSpec, float]] = {}   # req_id -> (load, deadline), not yet arrived
+        self._loading: dict[str, LoadSpec] = {}         # req_id -> load, with the loader thread
         self.metrics = connector_metrics.get()
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if pp > 1:
+            raise ValueError(f"ProServeConnector: pipeline parallelism ({pp} stages) is not supported: each "
+                             f"stage would send its own layers, which the decode side does not assemble yet. "
+                             f"Use --tensor-parallel-size instead")
+        if self.is_producer and not _extra(cfg, "layerwise_save", True, bool):
+            raise ValueError("kv_connector_extra_config.layerwise_save: a KV producer sends each layer as it is "
+                             "computed (save_kv_layer); it cannot be false on a producer")
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """A producer sends each layer from ``save_kv_layer``, which vLLM calls in the
+        Python wrapper of the attention op (``maybe_transfer_kv_layer``,
+        vllm/model_executor/layers/attention/kv_transfer_utils.py). A full CUDA graph
+        replays the attention kernels without that wrapper: model runner V2 replays the
+        full graph for a batch whose requests each have exactly one new token
+        (``uniform_decode``, vllm/v1/worker/gpu/model_runner.py), as a prefill's last
+        token after a prefix-cache hit does, and the layers of that step would never
+        be sent. Piecewise graphs run attention eagerly between the graph pieces, so
+        every layer's ``save_kv_layer`` runs; vLLM switches a FULL_AND_PIECEWISE
+        default to PIECEWISE when this returns True (vllm/config/vllm.py). A consumer
+        loads between steps and keeps full graphs: the decode worker launcher sets
+        ``layerwise_save: false``."""
+        v = (extra_config or {}).get("layerwise_save", True)
+        return v if isinstance(v, bool) else str(v).lower() not in ("0", "false", "no", "off")
 
     # ================================ scheduler side ===================================
     def on_new_request(self, request: "Request") -> None:
@@ -434,37 +491,69 @@ class ProServeConnector(KVConnectorBase_V1):
         self._kv_caches = kv_caches
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
-        first = next(iter(kv_caches.values()))
-        # block dimension: 0 on CPU ([blocks, heads, block_size, 2*head]), 1 on CUDA ([2, blocks, ...])
+        caches = list(kv_caches.values())
+        first = caches[0]
+        if isinstance(first, (tuple, list)):
+            raise ValueError("ProServeConnector: this engine hands each layer's KV cache over as a tuple of "
+                             "tensors (vllm-ascend does); ProServe's KV transfer supports one tensor per layer")
+        # block dimension: 0 for [blocks, ...] (CPU, FlashInfer, MLA), 1 for [2, blocks, ...] (FlashAttention)
         self._block_dim = 0 if num_blocks is None or first.shape[0] == num_blocks else 1
-        if not self.is_producer and self._receiver is None:
-            self._start_receiver()
+        self.tp_rank = _tp_rank() if self.tp_size > 1 else 0
+        self.layout = layout_of(caches, self._block_dim, self.block_size, self.tp_size, self.tp_rank)
+        if self.is_producer:
+            self._start_pusher()
+        elif self._receiver is None:
+            self._start_receiver(caches)
 
-    def _start_receiver(self) -> None:
+    def _new_sender(self, addr: str) -> KVSender:
+        """A sender to ``addr``'s receiver of this rank (the pusher's thread calls it)."""
+        curve = ClientKeys.load(self.keys_dir) if self.keys_dir else None
+        return KVSender(rank_address(addr, self.tp_rank), timeout=self.timeout_s,
+                        connect_timeout=self.connect_timeout_s, curve=curve, allow_insecure_remote=self.insecure,
+                        layout=self.layout.encode())
+
+    def _start_pusher(self) -> None:
+        cfg = self._kv_transfer_config
+        dump = (lambda xfer, name, t: _dump(self.debug_dir, xfer, name, t)) if self.debug_dir else None
+        self._pusher = _unpinned(lambda: KVPusher(
+            self._new_sender, timeout_s=self.timeout_s,
+            max_staged_bytes=int(_extra(cfg, "max_staged_mib", 512.0) * MIB),
+            on_sent=self.metrics.sent, on_failed=self._count_failure, dump=dump,
+            name=f"kvpusher-r{self.tp_rank}"))
+
+    def _count_failure(self, addr: str, e: BaseException) -> None:
+        self.metrics.send_failed(addr, "destination_unavailable" if isinstance(e, DestinationUnavailable)
+                                 else type(e).__name__)
+
+    def _start_receiver(self, caches: list) -> None:
         cfg = self._kv_transfer_config
         curve = ServerKeys.load(self.keys_dir) if self.keys_dir else None
+        heartbeat = cfg.get_from_extra_config("heartbeat_path", None) or None
+        given = {k: (None if cfg.get_from_extra_config(k, None) is None else _extra(cfg, k, 0.0))
+                 for k in ("max_peer_mib", "max_held_mib")}
+        per_token = bytes_per_token(caches, self._block_dim, self.block_size)
+        caps = receiver_caps(per_token, self._max_model_len, given,
+                             _extra(cfg, "prefill_peers", EXPECTED_PREFILL_PEERS, int))
+        listen = rank_address(self.listen, self.tp_rank)
         kw = dict(curve=curve, allow_insecure=self.insecure,
-                  heartbeat_path=cfg.get_from_extra_config("heartbeat_path", None) or None,
+                  heartbeat_path=rank_path(heartbeat, self.tp_rank) if heartbeat else None,
+                  check_layout=check_sender(self.layout),
                   max_open_transfers=_extra(cfg, "max_open_transfers", 1024, int),
-                  max_held_bytes=int(_extra(cfg, "max_held_mib", 2048.0) * MIB),
-                  max_peer_bytes=int(_extra(cfg, "max_peer_mib", 1024.0) * MIB),
+                  max_held_bytes=int(caps["max_held_mib"] * MIB),
+                  max_peer_bytes=int(caps["max_peer_mib"] * MIB),
                   max_message_bytes=int(_extra(cfg, "max_message_mib", 64.0) * MIB),
                   result_ttl_s=_extra(cfg, "result_ttl_s", max(120.0, 2 * self.timeout_s)),
                   # a long prompt's chunks can come far apart on a busy prefill engine
-                  stale_after_s=_extra(cfg, "stale_after_s", max(120.0, 4 * self.timeout_s)))
-        # vLLM's CPU worker pins its main thread to one core and busy-polls there; a
-        # thread started from it would inherit that pin and starve. Start the
-        # receiver thread with every core allowed, then restore the pin.
-        pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        try:
-            if pinned is not None:
-                os.sched_setaffinity(0, range(os.cpu_count() or 1))
-            self._receiver = KVReceiver(self.listen, **kw)
-        finally:
-            if pinned is not None:
-                os.sched_setaffinity(0, pinned)
-        log.info("ProServe KV receiver listening on %s (%s)", self.listen,
-                 "CURVE" if curve else "no authentication: loopback only")
+                  stale_after_s=_extra(cfg, "stale_after_s", max(120.0, 4 * self.timeout_s)),
+                  name=f"kvreceiver-r{self.tp_rank}")
+        self._receiver = _unpinned(lambda: KVReceiver(listen, **kw))
+        dump = (lambda xfer, name, t: _dump(self.debug_dir, xfer, name, t)) if self.debug_dir else None
+        self._loader = _unpinned(lambda: KVLoader(caches, self._block_dim, self.debug_corrupt, dump,
+                                                  name=f"kvloader-r{self.tp_rank}"))
+        log.info("ProServe KV receiver of rank %d/%d listening on %s (%s); caps: %.0f MiB per peer, %.0f MiB in "
+                 "all (the longest prompt, %d tokens, is %.0f MiB of this rank's KV)", self.tp_rank, self.tp_size,
+                 listen, "CURVE" if curve else "no authentication: loopback only", caps["max_peer_mib"],
+                 caps["max_held_mib"], self._max_model_len, caps["longest_prompt_mib"])
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         return
@@ -472,45 +561,17 @@ class ProServeConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def _sender(self, addr: str) -> KVSender:
-        s = self._senders.get(addr)
-        if s is not None:
-            self._senders.move_to_end(addr)
-            return s
-        if len(self._senders) >= MAX_DESTINATIONS:
-            # a request names its destination: bound the sockets (and breakers) that keeps
-            # open by closing the least recently used one with nothing in flight
-            idle = next((a for a, x in self._senders.items() if not x.pending()), None)
-            if idle is None:
-                raise TransferError(f"KV transfers to {MAX_DESTINATIONS} destinations are in flight; "
-                                    f"no room for another destination ({addr})")
-            self._senders.pop(idle).close()
-            self._dest_reported.pop(idle, None)
-        curve = ClientKeys.load(self.keys_dir) if self.keys_dir else None
-        s = self._senders[addr] = KVSender(addr, timeout=self.timeout_s, connect_timeout=self.connect_timeout_s,
-                                           curve=curve, allow_insecure_remote=self.insecure)
-        return s
-
-    def _transfer_failed(self, xfer: str, addr: str, e: BaseException) -> None:
-        """Producer: a transfer cannot complete. Later layers of it are skipped, the
-        receiver is told, and the scheduler side hears of it (worker metadata)."""
-        if xfer in self._failed_xfers:
-            return
-        err = f"{type(e).__name__}: {e}"
-        self._failed_xfers[xfer] = (addr, err)
-        while len(self._failed_xfers) > FAILED_XFERS_KEPT:
-            self._failed_xfers.popitem(last=False)
-        self._meta_failed[xfer] = (addr, err)
-        self.metrics.send_failed(addr, "destination_unavailable" if isinstance(e, DestinationUnavailable)
-                                 else type(e).__name__)
-        s = self._senders.get(addr)
-        if s is not None:
-            s.abort(xfer, "sender failed")
-        log.error("KV transfer %s to %s failed: %s", xfer, addr, err)
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this before every forward pass (both model runners): the forward
+        # stream waits, on the device, for the KV copies of the steps before, so that a
+        # block freed after its transfer (finished, failed or preempted) is never
+        # overwritten while a copy may still read it
+        if self._pusher is not None:
+            self._pusher.order_forward_after_copies()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, ProServeConnectorMetadata) or not meta.saves:
+        if not isinstance(meta, ProServeConnectorMetadata) or not meta.saves or self._pusher is None:
             return
         layer = self._layer_index.get(layer_name)
         if layer is None:
@@ -518,52 +579,29 @@ class ProServeConnector(KVConnectorBase_V1):
         # a request's prompt may be computed over several steps (chunked prefill), so the
         # same layer is sent once per step: (step, layer) names the piece on the wire; the
         # blocks sent are logical indices in the request
-        for s in meta.saves:
-            if s.xfer in self._failed_xfers:
-                continue   # one deadline per transfer: a failed one is not retried layer by layer
-            idx = torch.tensor(s.block_ids, dtype=torch.long, device=kv_layer.device)
-            data = kv_layer.index_select(self._block_dim, idx)
-            if self._block_dim != 0:
-                data = data.movedim(self._block_dim, 0)
-            data = data.contiguous()
-            if self.debug_dir:
-                _dump(self.debug_dir, s.xfer, f"sent_l{layer}_b{s.first_block}_n{data.shape[0]}", data)
-            try:
-                self._sender(s.addr).send_layer(s.xfer, layer,
-                                                list(range(s.first_block, s.first_block + data.shape[0])), data,
-                                                step=self._step)
-                self.metrics.sent(data.numel() * data.element_size())
-            except Exception as e:  # a dead peer must not take the engine down
-                self._transfer_failed(s.xfer, s.addr, e)
+        saves = [Save(s.xfer, s.addr, s.block_ids, s.first_block) for s in meta.saves]
+        self._pusher.save_layer(layer, kv_layer, self._block_dim, saves, self._step)
 
     def wait_for_save(self):
+        # nothing waits here: the pusher's thread sends what save_kv_layer staged
         meta = self._get_connector_metadata()
         if not isinstance(meta, ProServeConnectorMetadata):
             return
-        if meta.saves:
+        pusher = self._pusher
+        if meta.saves and pusher is not None:
             self._step += 1
-        for s in meta.saves:
             # small layers were packed: send this step's pack now, while the next step runs
-            if s.xfer not in self._failed_xfers:
-                try:
-                    self._sender(s.addr).flush(s.xfer)
-                except Exception as e:  # noqa: BLE001 -- a dead peer must not take the engine down
-                    self._transfer_failed(s.xfer, s.addr, e)
+            for xfer, addr in dict.fromkeys((s.xfer, s.addr) for s in meta.saves):
+                pusher.flush(xfer, addr)
         for f in meta.finishes:
-            if f.xfer in self._failed_xfers:
+            if pusher is None or pusher.is_failed(f.xfer):
                 self._done_sending.add(f.req_id)   # nothing to wait for: vLLM may free the blocks
                 continue
-            # "done" now; the ack is collected by get_finished (no extra thread)
-            try:
-                self._sender(f.addr).finish_async(f.xfer, timeout=self.timeout_s, digest=f.digest)
-                self._finishing[f.xfer] = (f.req_id, f.addr)
-            except Exception as e:
-                self._transfer_failed(f.xfer, f.addr, e)
-                self._done_sending.add(f.req_id)
+            pusher.finish(f.xfer, f.addr, f.digest)   # "done" after its layers; the ack comes back later
+            self._finishing[f.xfer] = f.req_id
         for xfer, addr in meta.aborts:
-            s = self._senders.get(addr)
-            if s is not None:
-                s.abort(xfer, "the prefill request did not finish")
+            if pusher is not None:
+                pusher.abort(xfer, addr, "the prefill request did not finish")
         for xfer in meta.discards:
             if self._receiver is not None:
                 self._receiver.discard(xfer)
@@ -576,67 +614,72 @@ class ProServeConnector(KVConnectorBase_V1):
         return (r.finished_sending or None), (r.finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self._finishing:
-            for sender in self._senders.values():
-                for xfer, outcome in sender.poll_finished().items():
-                    entry = self._finishing.pop(xfer, None)
-                    if entry is None:
-                        continue
-                    if isinstance(outcome, Exception):
-                        self._transfer_failed(xfer, entry[1], outcome)
-                    self._done_sending.add(entry[0])   # acked or failed: vLLM may free the blocks
+        if self._pusher is not None:
+            self._meta_failed.update(self._pusher.failures())
+            for xfer, _error in self._pusher.outcomes().items():
+                req_id = self._finishing.pop(xfer, None)
+                if req_id is not None:
+                    self._done_sending.add(req_id)   # acked or failed: vLLM may free the blocks
         sending, self._done_sending = self._done_sending, set()
         recving: set[str] = set()
         failed: set[str] = set()
         if self._loads:
-            # the engine steps back to back while a request waits for its KV; give the
-            # receiver thread the interpreter for a moment so it can take the data in
-            time.sleep(0.002)
-            now = time.monotonic()
-            rx = self._receiver
-            for req_id, (ld, deadline) in list(self._loads.items()):
-                result = rx.take(ld.xfer) if rx is not None else None
-                why = None
-                if result is not None and result.ok:
-                    try:
-                        self._inject(ld, result)
-                        self.metrics.received(result.nbytes)
-                    except LoadRejected as e:
-                        why, reason = str(e), "rejected"
-                    except Exception as e:  # never an engine crash: recompute instead
-                        log.exception("KV transfer %s: injecting it failed", ld.xfer)
-                        why, reason = f"inject failed: {type(e).__name__}: {e}", "inject_error"
-                elif result is not None:
-                    why, reason = result.error, "transfer_failed"
-                elif now > deadline or rx is None or not rx.alive:
-                    why = f"no KV within {self.timeout_s:g} s" if rx is not None and rx.alive else \
-                        "the KV receiver is not running"
-                    reason = "timeout"
-                    if rx is not None:
-                        rx.discard(ld.xfer)
-                else:
+            self._check_arrivals(recving, failed)
+        if self._loader is not None and self._loading:
+            for req_id, (error, reason, nbytes) in self._loader.done().items():
+                ld = self._loading.pop(req_id, None)
+                if ld is None:
                     continue
-                if why is not None:
-                    log.error("KV transfer %s failed (%s); the decode engine %s", ld.xfer, why,
-                              "recomputes the prompt" if self._kv_transfer_config.kv_load_failure_policy
-                              == "recompute" else "fails the request")
-                    self.metrics.load_failed(reason)
-                    failed.add(req_id)
-                del self._loads[req_id]
+                if error is None:
+                    self.metrics.received(nbytes)
+                else:
+                    self._load_failed(ld, error, reason, failed)
                 recving.add(req_id)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
+    def _check_arrivals(self, recving: set[str], failed: set[str]) -> None:
+        """Hand the transfers that arrived whole to the loader; fail those that failed on
+        the wire or did not arrive in time. Never waits."""
+        now = time.monotonic()
+        rx, loader = self._receiver, self._loader
+        for req_id, (ld, deadline) in list(self._loads.items()):
+            result = rx.take(ld.xfer) if rx is not None else None
+            if result is not None and result.ok and loader is not None and loader.alive:
+                loader.submit(req_id, ld.xfer, ld.digest, ld.block_ids, ld.skip_blocks, result)
+                self._loading[req_id] = ld
+                del self._loads[req_id]
+                continue
+            if result is not None and result.ok:
+                why, reason = "the KV loader is not running", "inject_error"
+            elif result is not None:
+                why, reason = result.error, "transfer_failed"
+            elif now > deadline or rx is None or not rx.alive:
+                why = f"no KV within {self.timeout_s:g} s" if rx is not None and rx.alive else \
+                    "the KV receiver is not running"
+                reason = "timeout"
+                if rx is not None:
+                    rx.discard(ld.xfer)
+            else:
+                continue
+            self._load_failed(ld, why, reason, failed)
+            del self._loads[req_id]
+            recving.add(req_id)
+
+    def _load_failed(self, ld: LoadSpec, why: str, reason: str, failed: set[str]) -> None:
+        log.error("KV transfer %s failed (%s); the decode engine %s", ld.xfer, why,
+                  "recomputes the prompt" if self._kv_transfer_config.kv_load_failure_policy
+                  == "recompute" else "fails the request")
+        self.metrics.load_failed(reason)
+        failed.add(ld.req_id)
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self.is_producer:
+        if not self.is_producer or self._pusher is None:
             return None
         meta = ProServeWorkerMetadata(failed=self._meta_failed)
         self._meta_failed = {}
         now = time.monotonic()
-        for addr, s in self._senders.items():
-            st = s.destinations().get(addr)
-            if st is None:
-                continue
+        for addr, st in self._pusher.destinations().items():
             ok = st["state"] == "closed"
             # told again when the breaker re-opens (a failed half-open probe): a new open_until
             told = None if ok else st["open_until"]
@@ -646,37 +689,37 @@ class ProServeConnector(KVConnectorBase_V1):
                 self.metrics.destination(addr, ok)
         return meta if (meta.failed or meta.dests) else None
 
-    # -- consumer: check, then write straight into the cache ------------------------------------
-    def _inject(self, ld: LoadSpec, result) -> None:
-        """Write a received transfer into the blocks vLLM allocated for the request:
-        checked first (it belongs to this request, fits this engine's cache and
-        covers the request's blocks; :class:`LoadRejected` otherwise, with nothing
-        written), then each received chunk is copied once, from the received
-        frame into views of the cache (:mod:`proserve.kvtransfer.kvcache`)."""
-        if not result.digest or result.digest != ld.digest:
-            raise LoadRejected(f"transfer {ld.xfer!r} was made for another prompt (digest "
-                               f"{result.digest[:12] or 'missing'} != {ld.digest[:12]})")
-        caches = list(self._kv_caches.values())
-        copies = plan_load(result.pieces, caches, self._block_dim, ld.block_ids, ld.skip_blocks)
-        write(copies, caches, self._block_dim, ld.block_ids, ld.skip_blocks)
-        if self.debug_corrupt:
-            corrupt_first_block(copies, caches, self._block_dim, ld.block_ids, ld.skip_blocks, self.debug_corrupt)
-        if self.debug_dir:
-            for layer, dst in enumerate(caches):
-                idx = torch.tensor(ld.block_ids[ld.skip_blocks:], dtype=torch.long, device=dst.device)
-                got = dst.index_select(self._block_dim, idx)
-                if self._block_dim != 0:
-                    got = got.movedim(self._block_dim, 0)
-                _dump(self.debug_dir, ld.xfer, f"recv_l{layer}_b{ld.skip_blocks}_n{len(idx)}", got.contiguous())
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()   # failures are reported per request (failed_recving)
 
     def shutdown(self):
-        for s in self._senders.values():
-            s.close()
+        if self._pusher is not None:
+            self._pusher.close()
+        if self._loader is not None:
+            self._loader.close()
         if self._receiver is not None:
             self._receiver.close()
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM's process groups, set up before the
+    KV caches are registered; NixlConnector reads it the same way)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    return get_tensor_model_parallel_rank()
+
+
+def _unpinned(make):
+    """Build a thread-owning object with every core allowed. vLLM's CPU worker pins its
+    main thread to its cores and busy-polls there; a thread started from it would
+    inherit that pin and starve. The pin is restored afterwards."""
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        if pinned is not None:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        return make()
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
 
 
 def _dump(root: str, xfer: str, name: str, t: torch.Tensor) -> None:

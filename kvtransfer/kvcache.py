@@ -19,11 +19,14 @@ consecutive physical blocks, or single rows of a block when a block was
 larger than a message). Nothing is assembled on the host first.
 
 * CPU cache: a direct copy from the received buffer (:func:`write`).
-* Device cache (CUDA): each chunk is staged through one pinned host buffer
-  per transfer (the size of the largest chunk), then copied to the device
-  without blocking; the buffer is reused after the copies of the chunk have
-  finished. This path has not been run on a GPU here (none was available to
-  the session that wrote it).
+* Accelerator cache (CUDA, NPU, ...): the transfer's chunks are copied into one
+  pinned host buffer holding all of them (no slot is reused within a transfer),
+  then to the device without blocking, on ``stream`` when one is given; the
+  buffer is released only after an event recorded behind those copies has
+  completed (:func:`_release_stage`). The caller (the connector's loader
+  thread) runs this off the engine's step. This path has not been run on a
+  GPU here (none was available to the sessions that wrote it);
+  ``scripts/device_check_kv.py`` runs it on one.
 
 A hostile or buggy transfer is refused whole (:class:`LoadRejected`) before
 anything is written: wrong dtype or block shape, a layer index beyond the
@@ -154,16 +157,17 @@ def _plan_chunks(piece, layer: int, where: str, lshape: tuple, first: int) -> li
 
 
 def write(copies: list[ChunkCopy], caches: Sequence[torch.Tensor], block_dim: int, block_ids: Sequence[int],
-          skip: int) -> int:
+          skip: int, stream=None) -> int:
     """Apply checked chunk copies (from :func:`plan_load`) to the caches; returns
     the number of block writes. CPU caches are written straight from the
-    received buffers; a device cache goes through one pinned staging buffer."""
+    received buffers; an accelerator's through one pinned staging buffer, on
+    ``stream`` (default: the current one). Returns once the bytes are in the cache."""
     if not copies:
         return 0
     if caches[0].device.type == "cpu":
         return sum(_write_chunk(c, _host_view(c), caches[c.layer], block_dim, block_ids, skip, False)
                    for c in copies)
-    return _write_device(copies, caches, block_dim, block_ids, skip)
+    return _write_device(copies, caches, block_dim, block_ids, skip, stream)
 
 
 def _host_view(c: ChunkCopy) -> torch.Tensor:
@@ -215,26 +219,40 @@ def _unravel(i: int, dims: Sequence[int]) -> tuple[int, ...]:
 
 
 def _write_device(copies: list[ChunkCopy], caches: Sequence[torch.Tensor], block_dim: int,
-                  block_ids: Sequence[int], skip: int) -> int:
-    """Device cache: stage each chunk in one pinned host buffer, copy it to the
-    device asynchronously, and wait for those copies before the buffer is reused.
-    Untested on a GPU (see the module doc)."""
+                  block_ids: Sequence[int], skip: int, stream=None) -> int:
+    """Accelerator cache: every chunk into one pinned host buffer, then to the device
+    without blocking (the host-to-device copies need a pinned source to run
+    asynchronously), and the buffer released only once they are done."""
+    from .common import device_api
+    from .pusher import host_tensor
     device = caches[0].device
-    size = max(c.nbytes for c in copies)
-    try:
-        stage = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:  # no runtime to pin memory with: pageable, blocking copies
-        stage = torch.empty(size, dtype=torch.uint8)
+    api = device_api(device)
+    total = sum(c.nbytes for c in copies)
+    stage = host_tensor((total,), torch.uint8)
     non_blocking = stage.is_pinned()
-    writes = 0
+    spans, pos = [], 0
     for c in copies:
-        buf = stage[:c.nbytes]
-        buf.copy_(torch.frombuffer(c.data, dtype=torch.uint8))
-        writes += _write_chunk(c, buf.view(c.dtype).view(c.rows, *c.row_shape), caches[c.layer], block_dim,
-                               block_ids, skip, non_blocking)
-        if non_blocking and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()   # the stage is overwritten next
+        stage[pos:pos + c.nbytes].copy_(torch.frombuffer(c.data, dtype=torch.uint8))
+        spans.append(pos)
+        pos += c.nbytes
+    stream = stream if stream is not None else api.current_stream(device)
+    writes = 0
+    with api.stream(stream):
+        for c, at in zip(copies, spans):
+            src = stage[at:at + c.nbytes].view(c.dtype).view(c.rows, *c.row_shape)
+            writes += _write_chunk(c, src, caches[c.layer], block_dim, block_ids, skip, non_blocking)
+        done = api.Event()
+        done.record(stream)
+    _release_stage(done, stage)
     return writes
+
+
+def _release_stage(done, stage: torch.Tensor) -> None:
+    """The staging buffer may be freed (and its memory reused) only after the copies
+    reading it are done: wait for their event. (``scripts/device_check_kv.py`` swaps
+    this for a version that overwrites the stage at once, to show its check catches
+    the race.)"""
+    done.synchronize()
 
 
 def corrupt_first_block(copies: list[ChunkCopy], caches: Sequence[torch.Tensor], block_dim: int,

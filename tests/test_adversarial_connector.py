@@ -1,5 +1,5 @@
 """Adversarial test of the decode side's check and direct write of a received
-transfer (``ProServeConnector._inject``, :mod:`proserve.kvtransfer.kvcache`): random
+transfer (:func:`proserve.kvtransfer.loader.inject`, :mod:`proserve.kvtransfer.kvcache`): random
 transfers -- wrong and right digests, dtypes, block shapes, block positions
 (gaps, shifted, beyond the request), layer indices beyond the cache, chunked
 layers carrying per-chunk or whole-layer block lists, chunks that do not tile
@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 connector = pytest.importorskip("proserve.kvtransfer.connector")
 
+from proserve.kvtransfer import loader, pusher
 from proserve.kvtransfer.receiver import ChunkData, LayerData, TransferResult
 
 NBLOCKS = 20
@@ -86,9 +87,10 @@ def test_a_received_transfer_is_rejected_or_written_only_into_its_requests_block
         before = {k: v.clone() for k, v in c._kv_caches.items()}
         allowed = set(ld.block_ids[ld.skip_blocks:])
         try:
-            c._inject(ld, result)
+            loader.inject(ld.xfer, ld.digest, ld.block_ids, ld.skip_blocks, result, list(c._kv_caches.values()),
+                          block_dim)
             ok = True
-        except connector.LoadRejected:
+        except loader.LoadRejected:
             ok = False
         outcomes.add(ok)
         for name, t in c._kv_caches.items():
@@ -140,7 +142,7 @@ def test_a_transfer_id_serves_one_request_per_engine():
     for k in range(connector.USED_XFERS_KEPT):                        # the memory is bounded...
         new(f"q{k}", f"y{k}")
         c._release_xfer(f"y{k}", f"q{k}")
-    assert len(c._used_xfers) == connector.USED_XFERS_KEPT > connector.FAILED_XFERS_KEPT
+    assert len(c._used_xfers) == connector.USED_XFERS_KEPT > pusher.FAILED_KEPT
     assert new("r4", "x1").role == "produce"                       # ...and an id long gone is usable again
 
 
@@ -154,7 +156,7 @@ def test_every_breaker_opening_reaches_the_scheduler_side():
     told = []
     c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # producer worker side only
     c.is_producer, c._meta_failed, c._dest_reported = True, {}, {}
-    c._senders = {"tcp://d:1": SimpleNamespace(destinations=lambda: {"tcp://d:1": dict(state)})}
+    c._pusher = SimpleNamespace(destinations=lambda: {"tcp://d:1": dict(state)})
     c.metrics = SimpleNamespace(destination=lambda addr, ok: told.append(ok))
 
     def step():
@@ -177,23 +179,18 @@ def test_kv_destinations_are_bounded(monkeypatch):
     """A request names where its KV goes: a producer keeps at most MAX_DESTINATIONS
     senders (sockets, breakers), closing the least recently used idle one; with all of
     them busy a new destination fails its transfer instead of opening more."""
-    import collections
-
-    monkeypatch.setattr(connector, "MAX_DESTINATIONS", 3)
-    c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # producer worker side only
-    c._senders, c._dest_reported = collections.OrderedDict(), {}
-    c.keys_dir, c.timeout_s, c.connect_timeout_s, c.insecure = None, 1.0, 0.5, False
+    monkeypatch.setattr(pusher, "MAX_DESTINATIONS", 3)
+    p = pusher.KVPusher(lambda addr: connector.KVSender(addr, timeout=1.0, connect_timeout=0.5))
     addrs = [f"tcp://127.0.0.1:{20000 + i}" for i in range(5)]
     try:
-        first = [c._sender(a) for a in addrs[:3]]
-        assert c._sender(addrs[0]) is first[0]                 # reused, and now the most recent
-        c._sender(addrs[3])                                     # addrs[1] was the least recent: closed
-        assert list(c._senders) == [addrs[2], addrs[0], addrs[3]]
-        for a in list(c._senders):
-            c._senders[a].begin("busy-" + a[-5:])               # every one has a transfer in flight
-        with pytest.raises(connector.TransferError, match="no room"):
-            c._sender(addrs[4])
-        assert len(c._senders) == 3
+        first = [p._sender(a) for a in addrs[:3]]
+        assert p._sender(addrs[0]) is first[0]                 # reused, and now the most recent
+        p._sender(addrs[3])                                     # addrs[1] was the least recent: closed
+        assert list(p._senders) == [addrs[2], addrs[0], addrs[3]]
+        for a in list(p._senders):
+            p._senders[a].begin("busy-" + a[-5:])               # every one has a transfer in flight
+        with pytest.raises(pusher.TransferError, match="no room"):
+            p._sender(addrs[4])
+        assert len(p._senders) == 3
     finally:
-        for s in c._senders.values():
-            s.close()
+        p.close()

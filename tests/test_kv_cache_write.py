@@ -96,9 +96,10 @@ def test_received_kv_lands_in_the_requests_blocks(block_dim, sender_kw, packed, 
 
 @pytest.mark.parametrize("block_dim", [0, 1])
 def test_the_device_path_stages_through_one_buffer_and_writes_the_same(block_dim, closing, monkeypatch):
-    """The device path (pinned staging; run here on CPU tensors: pinning falls back to
-    pageable memory without a GPU) writes what the CPU path writes, staging every
-    chunk through a single buffer the size of the largest chunk."""
+    """The device path (pinned staging, copies on a stream, the stage released after their
+    event; run here on CPU tensors with torch.cpu's streams: pinning falls back to pageable
+    memory without a GPU) writes what the CPU path writes, staging all the transfer's
+    chunks in one buffer (no part of it reused within the transfer)."""
     src = [_cache(block_dim, seed=l) for l in range(2)]
     pieces = {(0, l): (0, _blocks(src[l], block_dim, [1, 2, 3, 4])) for l in range(2)}
     res, _ = _transfer(pieces, closing, pack_bytes=0, chunk_bytes=256)
@@ -115,8 +116,12 @@ def test_the_device_path_stages_through_one_buffer_and_writes_the_same(block_dim
             allocs.append(a)
         return real_empty(*a, **kw)
     monkeypatch.setattr(kvcache.torch, "empty", counting_empty)
+    released = []
+    monkeypatch.setattr(kvcache, "_release_stage", lambda done, stage: released.append(stage.numel()))
     kvcache._write_device(copies, staged, block_dim, ids, 0)
-    assert len(allocs) == 1 and allocs[0][0] == max(c.nbytes for c in copies) == 256
+    total = sum(c.nbytes for c in copies)
+    assert len(allocs) == 1 and allocs[0][0] == (total,) and max(c.nbytes for c in copies) == 256 < total
+    assert released == [total]
     assert all(torch.equal(a, b) for a, b in zip(cpu, staged))
 
 
