@@ -26,9 +26,14 @@ Two jobs vLLM's server does not do by itself:
   ``Authorization: Bearer <key>``. ``/health`` and ``/metrics`` stay open for
   probes and Prometheus: keep the workers' ports on a private network.
 
+With tensor parallelism every rank runs a receiver with a heartbeat file of its
+own (rank r > 0 at ``path.r<r>``, :func:`proserve.kvtransfer.layout.rank_path`):
+``/health`` checks them all (a transfer needs every rank's shard) and names the
+rank at fault; ``/kv/status`` answers ``{"ranks": [file of rank 0, ...]}``.
+
 Configured from the environment the worker launcher sets:
-``PROSERVE_KV_HEARTBEAT`` (path), ``PROSERVE_KV_HEARTBEAT_MAX_AGE`` and
-``VLLM_API_KEY``.
+``PROSERVE_KV_HEARTBEAT`` (rank 0's path), ``PROSERVE_KV_RANKS`` (default 1),
+``PROSERVE_KV_HEARTBEAT_MAX_AGE`` and ``VLLM_API_KEY``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ import secrets
 import stat
 import time
 
+from proserve.kvtransfer.layout import rank_path
+
 HEARTBEAT_ENV = "PROSERVE_KV_HEARTBEAT"
+RANKS_ENV = "PROSERVE_KV_RANKS"
 HEARTBEAT_MAX_AGE_ENV = "PROSERVE_KV_HEARTBEAT_MAX_AGE"
 OPEN_PATHS = ("/health", "/metrics")
 #: what vLLM's own AuthenticationMiddleware already guards
@@ -100,6 +108,11 @@ class WorkerGuard:
     def __init__(self, app) -> None:
         self.app = app
         self.heartbeat = os.environ.get(HEARTBEAT_ENV) or None
+        try:
+            ranks = max(1, int(os.environ.get(RANKS_ENV) or 1))
+        except ValueError:
+            ranks = 1
+        self.heartbeats = [rank_path(self.heartbeat, r) for r in range(ranks)] if self.heartbeat else []
         self.max_age = float(os.environ.get(HEARTBEAT_MAX_AGE_ENV) or DEFAULT_HEARTBEAT_MAX_AGE_S)
         key = os.environ.get("VLLM_API_KEY") or ""
         self._key = hashlib.sha256(key.encode()).digest() if key else None
@@ -119,7 +132,7 @@ class WorkerGuard:
         # prefix in front of scope["path"]; vLLM's key check strips it the same way)
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if path == "/health":
-            why = receiver_problem(self.heartbeat, self.max_age)
+            why = self._receivers_problem()
             if why is not None:
                 return await _json(send, 503, why, "service_unavailable", 503)
             return await self.app(scope, receive, send)
@@ -131,20 +144,32 @@ class WorkerGuard:
             return await self._kv_status(send)
         return await self.app(scope, receive, send)
 
+    def _receivers_problem(self) -> str | None:
+        """The first rank whose receiver counts as dead, and why (None: all alive)."""
+        for r, hb in enumerate(self.heartbeats):
+            why = receiver_problem(hb, self.max_age)
+            if why is not None:
+                return why if len(self.heartbeats) == 1 else f"tensor-parallel rank {r}: {why}"
+        return None
+
     async def _kv_status(self, send) -> None:
-        if not self.heartbeat:
+        if not self.heartbeats:
             return await _json(send, 404, "this worker has no KV receiver", "not_found_error", 404)
-        try:
-            if not stat.S_ISREG(os.stat(self.heartbeat).st_mode):
-                raise OSError("not a regular file")
-            with open(self.heartbeat, "rb") as f:
-                body = f.read(MAX_HEARTBEAT_BYTES + 1)
-            if len(body) > MAX_HEARTBEAT_BYTES:
-                raise ValueError(f"over {MAX_HEARTBEAT_BYTES} bytes")
-            json.loads(body)
-        except (OSError, ValueError, RecursionError) as e:
-            return await _json(send, 503, f"KV receiver status unavailable: {str(e)[:200]}", "service_unavailable",
-                               503)
+        bodies = []
+        for hb in self.heartbeats:
+            try:
+                if not stat.S_ISREG(os.stat(hb).st_mode):
+                    raise OSError("not a regular file")
+                with open(hb, "rb") as f:
+                    body = f.read(MAX_HEARTBEAT_BYTES + 1)
+                if len(body) > MAX_HEARTBEAT_BYTES:
+                    raise ValueError(f"over {MAX_HEARTBEAT_BYTES} bytes")
+                json.loads(body)
+            except (OSError, ValueError, RecursionError) as e:
+                return await _json(send, 503, f"KV receiver status unavailable: {str(e)[:200]}",
+                                   "service_unavailable", 503)
+            bodies.append(body)
+        body = bodies[0] if len(bodies) == 1 else b'{"ranks": [' + b", ".join(bodies) + b"]}"
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -39,11 +39,14 @@ def call(guard, path: str, headers: dict | None = None, method: str = "GET") -> 
     return status, (json.loads(body) if body else None), bool(reached)
 
 
-def make_guard(monkeypatch, heartbeat=None, key=None) -> worker_http.WorkerGuard:
+def make_guard(monkeypatch, heartbeat=None, key=None, ranks=None) -> worker_http.WorkerGuard:
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.delenv(worker_http.HEARTBEAT_ENV, raising=False)
+    monkeypatch.delenv(worker_http.RANKS_ENV, raising=False)
     if heartbeat:
         monkeypatch.setenv(worker_http.HEARTBEAT_ENV, str(heartbeat))
+    if ranks is not None:
+        monkeypatch.setenv(worker_http.RANKS_ENV, str(ranks))
     if key:
         monkeypatch.setenv("VLLM_API_KEY", key)
     monkeypatch.setenv(worker_http.HEARTBEAT_MAX_AGE_ENV, "5")
@@ -115,6 +118,27 @@ def test_a_live_receiver_left_unscheduled_for_seconds_stays_healthy_by_default(t
     os.utime(hb, (old, old))
     status, body, _ = call(g, "/health")
     assert status == 503 and "25" in body["error"]["message"] and "hung" in body["error"]["message"]
+
+
+def test_every_tensor_parallel_ranks_receiver_is_part_of_health(tmp_path, monkeypatch):
+    """A decode worker with TP 2 runs a receiver per rank, each with its own heartbeat file
+    (rank 1's at PATH.r1): a transfer needs both shards, so /health needs both receivers
+    alive and names the rank at fault; /kv/status lists the ranks."""
+    hb = tmp_path / "kv.heartbeat"
+    g = make_guard(monkeypatch, heartbeat=hb, ranks=2)
+    hb.write_text(json.dumps({"time": time.time(), "stats": {"acks_sent": 1}}))
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "rank 1" in body["error"]["message"] and "missing" in body["error"]["message"]
+    r1 = tmp_path / "kv.heartbeat.r1"
+    r1.write_text(json.dumps({"time": time.time(), "stopped": "receiver thread ended: boom", "stats": {}}))
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "rank 1" in body["error"]["message"] and "boom" in body["error"]["message"]
+    r1.write_text(json.dumps({"time": time.time(), "stats": {"acks_sent": 2}}))
+    assert call(g, "/health")[0] == 200
+    status, body, _ = call(g, "/kv/status")
+    assert status == 200 and [r["stats"]["acks_sent"] for r in body["ranks"]] == [1, 2]
+    monkeypatch.setenv(worker_http.RANKS_ENV, "junk")          # a bad value: one rank, as before
+    assert worker_http.WorkerGuard(None).heartbeats == [str(hb)]
 
 
 def test_no_receiver_means_plain_vllm_health(monkeypatch):
