@@ -6,6 +6,9 @@ set -euo pipefail
 role=$1; base=$2; shift 2
 root=$(cd "$(dirname "$0")/.." && pwd)
 n=1; kvbase=15600; run=run; host=127.0.0.1; kvhost=""; keyfile=""; kvkeys=""; secrets=""; wait_s=0; dry=0
+tp=1; devices=""
+# shellcheck source=scripts/_devices.sh
+source "$root/scripts/_devices.sh"
 usage() { sed -n '2,/^[^#]/p' "$root/scripts/launch_${role}.sh" | sed -e '/^[^#]/d' -e 's/^# \{0,1\}//'; }
 need() { [[ $# -ge 2 && -n $2 && $2 != -* ]] || { echo "error: $1 needs a value (see --help)" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
@@ -20,6 +23,8 @@ while [[ $# -gt 0 ]]; do
     --kv-keys) need "$@"; kvkeys=$2; shift 2 ;;
     --secrets) need "$@"; secrets=$2; shift 2 ;;
     -w|--wait) need "$@"; wait_s=$2; shift 2 ;;
+    --tensor-parallel-size|--tp) need "$@"; tp=$2; shift 2 ;;
+    --devices) need "$@"; devices=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
     --) shift; break ;;
     -h|--help) usage; exit 0 ;;
@@ -28,13 +33,15 @@ while [[ $# -gt 0 ]]; do
 done
 extra=("$@")
 [[ $n =~ ^[1-9][0-9]*$ ]] || { echo "error: -n must be a positive integer, got '$n'" >&2; exit 2; }
+[[ $tp =~ ^[1-9][0-9]*$ ]] || { echo "error: --tensor-parallel-size must be a positive integer, got '$tp'" >&2; exit 2; }
 for v in base kvbase; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "error: port base must be a positive integer, got '${!v}'" >&2; exit 2; }
 done
 ((base + n - 1 <= 65535)) || { echo "error: ports $base..$((base + n - 1)) go past 65535" >&2; exit 2; }
 [[ $wait_s =~ ^[0-9]+$ ]] || { echo "error: --wait must be a whole number of seconds, got '$wait_s'" >&2; exit 2; }
 if [[ $role == decode ]]; then
-  ((kvbase + n - 1 <= 65535)) || { echo "error: KV ports $kvbase..$((kvbase + n - 1)) go past 65535" >&2; exit 2; }
+  # worker i's ranks receive KV on kvbase + i*tp .. kvbase + i*tp + tp-1
+  ((kvbase + n * tp - 1 <= 65535)) || { echo "error: KV ports $kvbase..$((kvbase + n * tp - 1)) go past 65535" >&2; exit 2; }
   kvhost=${kvhost:-$host}
 elif [[ -n $kvhost ]]; then
   echo "error: --kv-host is for decode workers (a prefill worker connects to the decode workers' KV addresses)" >&2
@@ -92,16 +99,26 @@ sec=()
 [[ -n $keyfile ]] && sec+=(--api-key-file "$keyfile")
 [[ -n $kvkeys ]] && sec+=(--kv-keys "$kvkeys")
 
+# -- devices: one group per worker (_devices.sh) ------------------------------------------------
+dev_scan "${extra[@]}"
+W_ROLE=(); W_INDEX=(); W_FAMILY=(); W_CPU_BIND=()
+for ((i = 0; i < n; i++)); do
+  W_ROLE+=("$role"); W_INDEX+=("$i"); W_FAMILY+=("$DEV_FAMILY"); W_CPU_BIND+=("$DEV_CPU_BIND")
+done
+dev_plan "$tp" "$devices" 0
+
 # -- the command lines ------------------------------------------------------------------------
-cmds=()
+cmds=(); envs=()
 for ((i = 0; i < n; i++)); do
   args=(python3 -m "proserve.$role" --host "$host" --port "$((base + i))")
-  [[ $role == decode ]] && args+=(--kv-listen "tcp://$(bracket "$kvhost"):$((kvbase + i))")
+  [[ $role == decode ]] && args+=(--kv-listen "tcp://$(bracket "$kvhost"):$((kvbase + i * tp))")
+  ((tp > 1)) && args+=(--tensor-parallel-size "$tp")
   args+=("${sec[@]}" "${extra[@]}")
   cmds+=("$(printf '%q ' "${args[@]}")")
+  envs+=("${W_ENV[i]:+$(dev_assign "${W_ENV[i]}") }")
 done
 if ((dry)); then
-  for ((i = 0; i < n; i++)); do echo "${cmds[i]% }"; done
+  for ((i = 0; i < n; i++)); do echo "${envs[i]}${cmds[i]% }"; done
   exit 0
 fi
 
@@ -122,12 +139,13 @@ set -m   # every worker gets a process group of its own, so a stop reaches vLLM'
 pids=(); ports=()
 for ((i = 0; i < n; i++)); do
   port=$((base + i)); log="$run/$role-$i.log"
-  eval "nohup ${cmds[i]} > \"\$log\" 2>&1 < /dev/null &"
+  eval "nohup env ${envs[i]}${cmds[i]} > \"\$log\" 2>&1 < /dev/null &"
   pids+=("$!"); ports+=("$port")
   echo "$! $role $i $port" >> "$run/pids"
   kv=""
-  [[ $role == decode ]] && kv=", KV tcp://$(bracket "$kvhost"):$((kvbase + i))"
-  echo "started $role worker $i: pid $! http://$(bracket "$host"):$port$kv (log $log)"
+  [[ $role == decode ]] && kv=", KV tcp://$(bracket "$kvhost"):$((kvbase + i * tp))"
+  ((tp > 1)) && [[ $role == decode ]] && kv+="..$((kvbase + i * tp + tp - 1))"
+  echo "started $role worker $i: pid $! http://$(bracket "$host"):$port$kv${W_ENV[i]:+, ${W_ENV[i]}} (log $log)"
 done
 set +m   # no job-status notices from this shell
 ((wait_s > 0)) || exit 0

@@ -6,6 +6,7 @@
 #                             [--ports PREFILL_BASE,DECODE_BASE,KV_BASE] [--colocated] [--keys FILE]
 #                             [--prefill-args "FLAGS"] [--decode-args "FLAGS"] [--timeout SECONDS]
 #                             [--secrets DIR | --no-secrets] [--kv-plain]
+#                             [--tensor-parallel-size N] [--devices GROUPS] [--dry-run]
 #                             [-- extra `python -m proserve.dispatcher` flags]
 #
 # Defaults: 1 prefill + 1 decode worker (the bundled tiny random-weight Llama on
@@ -16,16 +17,27 @@
 # --kv-plain: the API key but KV without CURVE, loopback only: CURVE costs KV throughput,
 # see README "Security model").
 # Prefill worker i serves on 8100+i, decode worker j on 8200+j with KV on
-# tcp://127.0.0.1:15600+j (--ports changes the three bases). With --colocated there is no decode pool: the P
-# workers serve whole requests. On a 2-core machine prefill workers are pinned to
-# core 0 and decode workers to core 1 (vLLM's CPU worker busy-polls its core).
+# tcp://127.0.0.1:15600+j*N (--ports changes the three bases). With --colocated there is no decode pool: the P
+# workers serve whole requests.
+# Devices: --tensor-parallel-size N (or --tp N, default 1) ranks per worker; a decode worker's rank r
+# receives KV on its KV port + r (the dispatcher is given rank 0's). The worker's --device (in
+# --prefill-args/--decode-args, default cpu) picks the variable: cuda CUDA_VISIBLE_DEVICES, npu
+# ASCEND_RT_VISIBLE_DEVICES (N devices per worker), cpu VLLM_CPU_OMP_THREADS_BIND (cores, an equal share
+# per rank). --devices GROUPS: one group per worker, prefill then decode, separated by ':' (e.g.
+# 0,1:2,3). Without it, accelerator worker k (prefill then decode) gets devices k*N..k*N+N-1; on CPU with
+# N = 1 a 2-core machine pins prefill workers to core 0 and decode workers to core 1 (vLLM's CPU worker
+# busy-polls its core), other machines leave it to vLLM; with N > 1 each rank gets its own cores if there
+# are enough, else every worker's ranks split all cores (2 cores, N = 2: each worker gets 0|1).
+# --dry-run: print each command (worker environment first) and start nothing.
 # scripts/stop_cluster.sh stops everything. Multi-host: start workers with
 # `python -m proserve.prefill|decode --host 0.0.0.0 ...` on each host and give the
 # dispatcher their addresses (--prefill/--decode or a config file); see README.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=1; D=1; port=8000; pbase=8100; dbase=8200; kvbase=15600; run=run; colocated=0; keys=""; pargs=""; dargs=""; timeout=600
-secrets=""; use_secrets=1; kv_curve=1
+secrets=""; use_secrets=1; kv_curve=1; tp=1; devices=""; dry=0
+# shellcheck source=scripts/_devices.sh
+source "$root/scripts/_devices.sh"
 while [[ $# -gt 0 ]]; do
   case $1 in
     -P) P=$2; shift 2 ;;
@@ -41,19 +53,43 @@ while [[ $# -gt 0 ]]; do
     --secrets) secrets=$2; shift 2 ;;
     --no-secrets) use_secrets=0; shift ;;
     --kv-plain) kv_curve=0; shift ;;
+    --tensor-parallel-size|--tp) tp=$2; shift 2 ;;
+    --devices) devices=$2; shift 2 ;;
+    --dry-run) dry=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/p' "$0" | sed -e '/^[^#]/d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 for v in P port timeout pbase dbase kvbase; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "error: $v must be a positive integer, got '${!v}'" >&2; exit 2; }
 done
+[[ $tp =~ ^[1-9][0-9]*$ ]] || { echo "error: --tensor-parallel-size must be a positive integer, got '$tp'" >&2; exit 2; }
 [[ $D =~ ^[0-9]+$ ]] || { echo "error: -D must be a non-negative integer, got '$D'" >&2; exit 2; }
 if ((colocated)); then D=0; elif ((D == 0)); then
   echo "error: -D 0 needs --colocated (no decode workers: whole requests on the prefill workers)" >&2; exit 2
 fi
-mkdir -p "$run"; run=$(cd "$run" && pwd)
+((kvbase + D * tp - 1 <= 65535)) || { echo "error: KV ports $kvbase..$((kvbase + D * tp - 1)) go past 65535" >&2; exit 2; }
+
+# one device group per worker, prefill then decode (_devices.sh)
+W_ROLE=(); W_INDEX=(); W_FAMILY=(); W_CPU_BIND=()
+# shellcheck disable=SC2086
+dev_scan $pargs
+for ((i = 0; i < P; i++)); do
+  W_ROLE+=(prefill); W_INDEX+=("$i"); W_FAMILY+=("$DEV_FAMILY"); W_CPU_BIND+=("$DEV_CPU_BIND")
+done
+# shellcheck disable=SC2086
+dev_scan $dargs
+for ((j = 0; j < D; j++)); do
+  W_ROLE+=(decode); W_INDEX+=("$j"); W_FAMILY+=("$DEV_FAMILY"); W_CPU_BIND+=("$DEV_CPU_BIND")
+done
+dev_plan "$tp" "$devices" 1
+
+if ((dry)); then
+  [[ $run == /* ]] || run=$PWD/$run
+else
+  mkdir -p "$run"; run=$(cd "$run" && pwd)
+fi
 if [[ -s $run/pids ]]; then
   echo "error: $run/pids exists: a cluster may be running (scripts/stop_cluster.sh -d $run)" >&2; exit 2
 fi
@@ -61,22 +97,26 @@ wflags=(); dsec=()
 if ((use_secrets)); then
   if [[ -z $secrets ]]; then
     secrets=$run/secrets
-    "$root/scripts/make_keys.sh" "$secrets" --overwrite >/dev/null
+    ((dry)) || "$root/scripts/make_keys.sh" "$secrets" --overwrite >/dev/null
   fi
-  [[ -f $secrets/worker.key && -d $secrets/kv ]] || { echo "error: $secrets lacks worker.key or kv/ (scripts/make_keys.sh DIR)" >&2; exit 2; }
-  secrets=$(cd "$secrets" && pwd)
+  if ((!dry)) || [[ -d $secrets ]]; then
+    [[ -f $secrets/worker.key && -d $secrets/kv ]] || { echo "error: $secrets lacks worker.key or kv/ (scripts/make_keys.sh DIR)" >&2; exit 2; }
+    secrets=$(cd "$secrets" && pwd)
+  fi
   wflags=(--api-key-file "$secrets/worker.key")
   ((kv_curve)) && wflags+=(--kv-keys "$secrets/kv")
   dsec=(--worker-key-file "$secrets/worker.key")
 fi
 cd "$root"
-ncpu=$(nproc)
 set -m   # every background job gets its own process group (same session), so stop can kill its children
-start() {  # role index port log args...
-  local role=$1 i=$2 p=$3 log=$4; shift 4
-  nohup "$@" > "$log" 2>&1 &
+start() {  # role index port log env ("VAR=value" or "") command...
+  local role=$1 i=$2 p=$3 log=$4 ev=$5 line; shift 5
+  if ((dry)); then
+    line=$(printf '%q ' "$@"); echo "${ev:+$(dev_assign "$ev") }${line% }"; return
+  fi
+  nohup env ${ev:+"$ev"} "$@" > "$log" 2>&1 &
   echo "$! $role $i $p" >> "$run/pids"
-  echo "started $role $i: pid $! http://127.0.0.1:$p (log $log)"
+  echo "started $role $i: pid $! http://127.0.0.1:$p${ev:+, $ev} (log $log)"
 }
 wait_healthy() {  # url what pid
   local url=$1 what=$2 pid=$3 t0=$SECONDS
@@ -88,34 +128,36 @@ wait_healthy() {  # url what pid
 }
 fail() { echo "stopping what was started" >&2; "$root/scripts/stop_cluster.sh" -d "$run" >&2 || true; exit 1; }
 
-dflags=()
+dflags=(); tpflag=()
+((tp > 1)) && tpflag=(--tensor-parallel-size "$tp")
 for ((i = 0; i < P; i++)); do
-  p=$((pbase + i)); bind=()
-  ((ncpu == 2)) && bind=(--cpu-bind 0)
+  p=$((pbase + i))
   extra=()
   ((colocated)) && extra=(--colocated)
   # shellcheck disable=SC2086
-  start prefill "$i" "$p" "$run/prefill-$i.log" python3 -m proserve.prefill --port "$p" "${bind[@]}" "${extra[@]}" \
-    "${wflags[@]}" $pargs
+  start prefill "$i" "$p" "$run/prefill-$i.log" "${W_ENV[i]}" python3 -m proserve.prefill --port "$p" "${tpflag[@]}" \
+    "${extra[@]}" "${wflags[@]}" $pargs
   dflags+=(--prefill "http://127.0.0.1:$p")
 done
 for ((j = 0; j < D; j++)); do
-  p=$((dbase + j)); kv="tcp://127.0.0.1:$((kvbase + j))"; bind=()
-  ((ncpu == 2)) && bind=(--cpu-bind 1)
+  # its ranks receive KV on the next tp ports; the dispatcher is given rank 0's
+  p=$((dbase + j)); kv="tcp://127.0.0.1:$((kvbase + j * tp))"
   # shellcheck disable=SC2086
-  start decode "$j" "$p" "$run/decode-$j.log" python3 -m proserve.decode --port "$p" --kv-listen "$kv" "${bind[@]}" \
-    "${wflags[@]}" $dargs
+  start decode "$j" "$p" "$run/decode-$j.log" "${W_ENV[P + j]}" python3 -m proserve.decode --port "$p" --kv-listen "$kv" \
+    "${tpflag[@]}" "${wflags[@]}" $dargs
   dflags+=(--decode "http://127.0.0.1:$p=$kv")
 done
+((colocated)) && dflags+=(--deployment colocated)
+[[ -n $keys ]] && dflags+=(--keys "$keys")
+dflags+=("${dsec[@]}")
+dcmd=(python3 -m proserve.dispatcher --port "$port" "${dflags[@]}" --record-requests "$run/dispatcher-requests.jsonl"
+      --wait-ready 30 "$@")
+if ((dry)); then start dispatcher 0 "$port" "" "" "${dcmd[@]}"; exit 0; fi
 while read -r pid role i p; do
   wait_healthy "http://127.0.0.1:$p" "$role worker $i" "$pid" || fail
   echo "$role worker $i healthy"
 done < "$run/pids"
-((colocated)) && dflags+=(--deployment colocated)
-[[ -n $keys ]] && dflags+=(--keys "$keys")
-dflags+=("${dsec[@]}")
-start dispatcher 0 "$port" "$run/dispatcher.log" python3 -m proserve.dispatcher --port "$port" "${dflags[@]}" \
-  --record-requests "$run/dispatcher-requests.jsonl" --wait-ready 30 "$@"
+start dispatcher 0 "$port" "$run/dispatcher.log" "" "${dcmd[@]}"
 dpid=$(awk '$2 == "dispatcher" {print $1}' "$run/pids")
 wait_healthy "http://127.0.0.1:$port" dispatcher "$dpid" || fail
 echo "cluster ready: http://127.0.0.1:$port (${P} prefill, ${D} decode; logs in $run)"

@@ -49,9 +49,10 @@ SWITCH = {
 ACCEL_RESOURCES = {"nvidia.com/gpu", "huawei.com/Ascend910"}
 CASES = {
     "default": {},
-    "cuda": {"accelerator": "cuda", "acceleratorsPerWorker": 2, "model": {"name": "/models/m", "pvc": "weights"},
-             "prefill": {"replicas": 3, "gpuMemoryUtilization": "0.9", "vllmArgs": ["--tensor-parallel-size", "2"]},
-             "decode": {"replicas": 2}},
+    "cuda": {"accelerator": "cuda", "model": {"name": "/models/m", "pvc": "weights"},
+             "prefill": {"replicas": 3, "gpuMemoryUtilization": "0.9", "tensorParallelSize": 2,
+                         "vllmArgs": ["--max-num-seqs", "64", "-pp", "1"]},
+             "decode": {"replicas": 2, "tensorParallelSize": 3}},
     "ascend": {"accelerator": "ascend", "model": {"name": "Qwen/Qwen2.5-7B-Instruct", "hfTokenSecret": "hf"},
                "latencyModel": {"configMap": "lm"}, "prefill": {"replicas": 2, "extraArgs": ["--gamma", "1.5"]},
                "decode": {"localPolicy": "vllm_fcfs"}, "bindPodIP": False},
@@ -188,6 +189,17 @@ def test_strict_validation_catches_a_misspelt_field():
     ({"prefill": {"replicas": 0}}, "replicas"),
     ({"secrets": {"apiKeys": ""}}, "apiKeys"),
     ({"model": {"pvc": "a", "hostPath": "/b"}}, "not both"),
+    # tensor parallelism is one value per pool: the devices per pod and the worker's flag
+    ({"acceleratorsPerWorker": 2}, "acceleratorsPerWorker is gone: set prefill.tensorParallelSize"),
+    ({"prefill": {"vllmArgs": ["--tensor-parallel-size", "2"]}},
+     "prefill.vllmArgs: --tensor-parallel-size: set prefill.tensorParallelSize instead"),
+    ({"decode": {"vllmArgs": ["-tp=2"]}}, "decode.vllmArgs: -tp=2: set decode.tensorParallelSize instead"),
+    ({"decode": {"extraArgs": ["--tensor-parallel-size", "2"]}}, "decode.extraArgs: --tensor-parallel-size"),
+    ({"prefill": {"vllmArgs": ["--pipeline-parallel-size", "2"]}},
+     "--pipeline-parallel-size 2: pipeline parallelism is not supported"),
+    ({"decode": {"vllmArgs": ["-pp=4"]}}, "-pp=4: pipeline parallelism is not supported"),
+    ({"decode": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"decode": {"tensorParallelSize": 2, "kvPort": 65535}}, "rank ports go past 65535"),
 ])
 def test_bad_values_are_refused(values, message):
     with pytest.raises(HelmError, match=message):
@@ -215,11 +227,12 @@ def test_probes_on_health(case):
 def test_accelerator_switch(case):
     name, _, docs, vals = case
     device, resource = SWITCH[vals["accelerator"]]
-    n = vals["acceleratorsPerWorker"]
     for component in ("prefill", "decode"):
+        n = vals[component]["tensorParallelSize"]   # devices per pod = tensor-parallel ranks
         c, _ = container(docs, component)
         args = c["args"]
         assert args[args.index("--device") + 1] == device
+        assert args[args.index("--tensor-parallel-size") + 1] == str(n)
         res = c["resources"]
         for part in ("requests", "limits"):
             present = ACCEL_RESOURCES & set(res.get(part, {}))
@@ -337,9 +350,16 @@ def test_dispatcher_config_lists_the_statefulset_pods(case):
         hosts = [f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local" for i in range(len(specs))]
         assert [s.url for s in specs] == [f"http://{h}:{ports['http']}" for h in hosts]
         if role == "decode":
+            # rank 0's KV address; rank r receives on the next ports, each a container and Service port
             assert [s.kv_addr for s in specs] == [f"tcp://{h}:{ports['kv']}" for h in hosts]
             args = c["args"]
             assert args[args.index("--kv-listen") + 1].endswith(f":{ports['kv']}")
+            tp = vals["decode"]["tensorParallelSize"]
+            kv = vals["decode"]["kvPort"]
+            want = {"kv": kv, **{f"kv-{r}": kv + r for r in range(1, tp)}}
+            assert {k: v for k, v in ports.items() if k != "http"} == want
+            svc_ports = {p["name"]: (p["port"], p["targetPort"]) for p in by_kind(docs, "Service")[svc]["spec"]["ports"]}
+            assert {k: v for k, v in svc_ports.items() if k != "http"} == {k: (v, k) for k, v in want.items()}
         else:
             assert {s.local_policy for s in specs} == {vals["prefill"]["localPolicy"]}
     c, _ = container(docs, "dispatcher")
@@ -386,7 +406,7 @@ def test_commands_use_options_the_clis_have(case):
 
 
 def test_network_policies(case):
-    _, _, docs, _ = case
+    _, _, docs, vals = case
     pols = by_kind(docs, "NetworkPolicy")
     sel = {c: {"app.kubernetes.io/name": "proserve", "app.kubernetes.io/instance": RELEASE,
                "app.kubernetes.io/component": c} for c in ("dispatcher", "prefill", "decode")}
@@ -398,10 +418,13 @@ def test_network_policies(case):
             for p in r["ports"]:
                 by_port.setdefault(p["port"], []).extend(r["from"])
         assert {"podSelector": {"matchLabels": sel["dispatcher"]}} in by_port["http"]
-        if role == "decode":
-            assert by_port["kv"] == [{"podSelector": {"matchLabels": sel["prefill"]}}]
+        kv_ports = {"kv", *(f"kv-{r}" for r in range(1, vals["decode"]["tensorParallelSize"]))}
+        if role == "decode":   # every tensor-parallel rank's KV port, from the prefill pool only
+            assert set(by_port) == {"http"} | kv_ports
+            for p in kv_ports:
+                assert by_port[p] == [{"podSelector": {"matchLabels": sel["prefill"]}}]
         else:
-            assert "kv" not in by_port
+            assert set(by_port) == {"http"}
 
 
 def test_pods_run_unprivileged(case):

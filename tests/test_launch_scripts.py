@@ -26,11 +26,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 OWN = ["launch_dispatcher.sh", "_launch_pool.sh", "launch_prefill.sh", "launch_decode.sh", "stop_pool.sh"]
+SOURCED = ["_devices.sh"]   # a library the launch scripts source: checked, not run
 
 
-def sh(*args: str, env: dict | None = None, timeout: float = 180, cwd: Path | None = None):
+def sh(*args: str, env: dict | None = None, timeout: float = 180, cwd: Path | None = None,
+       cores: set[int] | None = None):
+    """Run a script with bash; ``cores``: the CPU affinity it runs with (what it sees as this host's cores)."""
+    pre = (lambda: os.sched_setaffinity(0, cores)) if cores is not None else None
     return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
-                          env=env or os.environ.copy(), stdin=subprocess.DEVNULL, check=False)
+                          env=env or os.environ.copy(), stdin=subprocess.DEVNULL, check=False, preexec_fn=pre)
 
 
 def free_port() -> int:
@@ -107,17 +111,23 @@ def secrets_dir(tmp: Path) -> Path:
 
 
 # -- syntax and usage -------------------------------------------------------------------------------
-@pytest.mark.parametrize("script", OWN + ["launch_cluster.sh", "stop_cluster.sh"])
+@pytest.mark.parametrize("script", OWN + SOURCED + ["launch_cluster.sh", "stop_cluster.sh"])
 def test_bash_syntax(script):
     p = sh("-n", str(SCRIPTS / script))
     assert p.returncode == 0, p.stderr
-    assert os.access(SCRIPTS / script, os.X_OK), f"{script} is not executable"
+    assert script in SOURCED or os.access(SCRIPTS / script, os.X_OK), f"{script} is not executable"
 
 
 @pytest.mark.parametrize("script, words", [
     ("launch_dispatcher.sh", ["-c CONFIG", "-k KEYS_FILE", "-d RUN_DIR", "-t SECONDS", "/health", "stop_pool.sh"]),
-    ("launch_prefill.sh", ["-H BIND_ADDR", "--secrets DIR", "--api-key-file", "--kv-keys", "--dry-run", "-w SECONDS"]),
-    ("launch_decode.sh", ["-H BIND_ADDR", "--kv-host", "-k KV_BASE_PORT", "--secrets DIR", "CURVE", "--dry-run"]),
+    ("launch_prefill.sh", ["-H BIND_ADDR", "--secrets DIR", "--api-key-file", "--kv-keys", "--dry-run", "-w SECONDS",
+                           "--tensor-parallel-size T", "--devices GROUPS", "CUDA_VISIBLE_DEVICES",
+                           "ASCEND_RT_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND"]),
+    ("launch_decode.sh", ["-H BIND_ADDR", "--kv-host", "-k KV_BASE_PORT", "--secrets DIR", "CURVE", "--dry-run",
+                          "--tensor-parallel-size T", "--devices GROUPS", "KV_BASE_PORT+i*T", "rank 0's"]),
+    ("launch_cluster.sh", ["-P N_PREFILL", "--tensor-parallel-size N", "--devices GROUPS", "--dry-run",
+                           "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND",
+                           "each worker gets 0|1", "stop_cluster.sh"]),
     ("stop_pool.sh", ["-d RUN_DIR", "dispatcher", "SIGTERM"]),
 ])
 def test_help(script, words):
@@ -129,7 +139,7 @@ def test_help(script, words):
 
 
 def test_unknown_option_is_an_error():
-    for script in ("launch_dispatcher.sh", "launch_prefill.sh", "launch_decode.sh", "stop_pool.sh"):
+    for script in ("launch_dispatcher.sh", "launch_prefill.sh", "launch_decode.sh", "stop_pool.sh", "launch_cluster.sh"):
         p = sh(str(SCRIPTS / script), "--no-such-option")
         assert p.returncode == 2 and "error: unknown" in p.stderr, (script, p.stderr)
 
@@ -197,6 +207,219 @@ def test_pool_kv_keys_of_the_wrong_role(tmp_path):
     p = sh(str(SCRIPTS / "launch_decode.sh"), "--kv-keys", str(kv), "--dry-run")
     assert p.returncode == 2 and "lacks server.key_secret" in p.stderr, p.stderr
     assert sh(str(SCRIPTS / "launch_prefill.sh"), "--kv-keys", str(kv), "--dry-run").returncode == 0
+
+
+# -- devices and tensor parallelism (the pool scripts and launch_cluster.sh) ------------------------
+PLACEMENT = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def no_placement_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in PLACEMENT}
+
+
+def dry_workers(script: str, *args: str, cores: set[int] | None = None) -> list[tuple[dict, list[str]]]:
+    """(the variables it is started with, its command) of each line a --dry-run prints."""
+    p = sh(str(SCRIPTS / script), "--dry-run", *args, cores=cores, env=no_placement_env())
+    assert p.returncode == 0, p.stderr
+    out = []
+    for line in p.stdout.strip().splitlines():
+        words = shlex.split(line)
+        env = {}
+        while "=" in words[0] and not words[0].startswith("-"):
+            k, v = words.pop(0).split("=", 1)
+            env[k] = v
+        out.append((env, words))
+    return out
+
+
+def opt(words: list[str], flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+def opts(words: list[str], flag: str) -> list[str]:
+    return [words[i + 1] for i, w in enumerate(words) if w == flag]
+
+
+def need_cores(n: int) -> set[int]:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        pytest.skip(f"needs {n} CPU cores, this process may use {len(cores)}")
+    return set(cores[:n])
+
+
+@pytest.mark.parametrize("device, var", [("cuda", "CUDA_VISIBLE_DEVICES"), ("npu", "ASCEND_RT_VISIBLE_DEVICES")])
+def test_cluster_dry_run_gives_each_worker_its_own_devices(tmp_path, device, var):
+    run = tmp_path / "run"
+    lines = dry_workers("launch_cluster.sh", "-d", str(run), "-P", "2", "-D", "2", "--tensor-parallel-size", "2",
+                        "--ports", "9100,9200,17000", "--prefill-args", f"--device {device}",
+                        "--decode-args", f"--device={device}")
+    *workers, (denv, disp) = lines
+    assert [w[2] for _, w in workers] == ["proserve.prefill"] * 2 + ["proserve.decode"] * 2
+    # worker k (prefill, then decode) gets devices 2k, 2k+1: no device twice
+    assert [env for env, _ in workers] == [{var: "0,1"}, {var: "2,3"}, {var: "4,5"}, {var: "6,7"}]
+    assert all(opt(w, "--tensor-parallel-size") == "2" for _, w in workers)
+    # decode worker j's ranks receive KV on 17000 + 2j + r; the dispatcher gets rank 0's address
+    assert [opt(w, "--kv-listen") for _, w in workers[2:]] == ["tcp://127.0.0.1:17000", "tcp://127.0.0.1:17002"]
+    assert disp[:3] == ["python3", "-m", "proserve.dispatcher"] and denv == {}
+    assert opts(disp, "--decode") == ["http://127.0.0.1:9200=tcp://127.0.0.1:17000",
+                                      "http://127.0.0.1:9201=tcp://127.0.0.1:17002"]
+    assert opts(disp, "--prefill") == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert not run.exists()   # a dry run starts and makes nothing
+    # given groups, in the same order; one rank each without --tensor-parallel-size
+    lines = dry_workers("launch_cluster.sh", "-d", str(run), "-P", "2", "-D", "1", "--devices", "3:1:0",
+                        "--prefill-args", f"--device {device}", "--decode-args", f"--device {device}")
+    assert [env for env, _ in lines[:3]] == [{var: "3"}, {var: "1"}, {var: "0"}]
+    assert not any("--tensor-parallel-size" in w for _, w in lines)
+    assert opt(lines[2][1], "--kv-listen") == "tcp://127.0.0.1:15600"
+
+
+def test_cluster_dry_run_binds_cpu_ranks():
+    two = need_cores(2)
+    c0, c1 = sorted(two)
+    bind = "VLLM_CPU_OMP_THREADS_BIND"
+    # one rank: prefill workers on one core, decode workers on the other (vLLM's CPU worker busy-polls)
+    lines = dry_workers("launch_cluster.sh", "-P", "2", "-D", "1", cores=two)
+    assert [env for env, _ in lines] == [{bind: str(c0)}, {bind: str(c0)}, {bind: str(c1)}, {}]
+    # two ranks each on 2 cores: every worker's ranks split them (prefill and decode share cores)
+    lines = dry_workers("launch_cluster.sh", "--tensor-parallel-size", "2", cores=two)
+    assert [env for env, _ in lines[:2]] == [{bind: f"{c0}|{c1}"}] * 2
+    assert opt(lines[1][1], "--kv-listen") == "tcp://127.0.0.1:15600"
+    # the worker's own --cpu-bind is left alone
+    lines = dry_workers("launch_cluster.sh", "--prefill-args", "--cpu-bind 1", cores=two)
+    assert [env for env, _ in lines[:2]] == [{}, {bind: str(c1)}]
+    # given cores, split per rank
+    lines = dry_workers("launch_cluster.sh", "--tensor-parallel-size", "2", "--devices", "0-3:4,5,7,6", cores=two)
+    assert [env for env, _ in lines[:2]] == [{bind: "0-1|2-3"}, {bind: "4-5|7,6"}]
+    # fewer cores than ranks: the ranks share them
+    lines = dry_workers("launch_cluster.sh", "--tensor-parallel-size", "2", cores={c0})
+    assert [env for env, _ in lines[:2]] == [{bind: f"{c0}|{c0}"}] * 2
+
+
+def test_cluster_dry_run_gives_cpu_ranks_disjoint_cores_when_there_are_enough():
+    four = need_cores(4)
+    c = sorted(four)
+    lines = dry_workers("launch_cluster.sh", "--tensor-parallel-size", "2", cores=four)
+    assert [env for env, _ in lines[:2]] == [{"VLLM_CPU_OMP_THREADS_BIND": f"{c[0]}|{c[1]}"},
+                                             {"VLLM_CPU_OMP_THREADS_BIND": f"{c[2]}|{c[3]}"}]
+
+
+def test_pool_dry_run_devices_and_kv_ports():
+    lines = dry_workers("launch_decode.sh", "-n", "3", "--tensor-parallel-size", "2", "-k", "17000",
+                        "--", "--device", "npu")
+    assert [env for env, _ in lines] == [{"ASCEND_RT_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}"} for i in range(3)]
+    assert [opt(w, "--kv-listen") for _, w in lines] == [f"tcp://127.0.0.1:{17000 + 2 * i}" for i in range(3)]
+    assert all(opt(w, "--tensor-parallel-size") == "2" for _, w in lines)
+    lines = dry_workers("launch_prefill.sh", "-n", "2", "--tp", "2", "--devices", "0-3:4-7")
+    assert [env for env, _ in lines] == [{"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"},
+                                         {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"}]
+    lines = dry_workers("launch_prefill.sh", "-n", "2", "--", "--device", "cuda")
+    assert [env for env, _ in lines] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+
+
+CUDA2 = ["--prefill-args", "--device cuda", "--decode-args", "--device cuda"]
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("launch_cluster.sh", ["--tp", "2", "--devices", "0,1:2", *CUDA2],
+     "--devices: decode worker 0 gets 1 device(s) (2) for --tensor-parallel-size 2: give exactly 2, one per rank"),
+    ("launch_cluster.sh", ["--tp", "2", "--devices", "0,1,2:3,4"],
+     "--devices: prefill worker 0 gets 3 CPU core(s) (0,1,2) for --tensor-parallel-size 2: give a multiple of 2"),
+    ("launch_cluster.sh", ["--tp", "2", "--devices", "0,1", *CUDA2], "--devices 0,1 has 1 group(s) for 2 worker(s)"),
+    ("launch_cluster.sh", ["--devices", "0:0,", *CUDA2], "decode worker 0 gets '0,'"),
+    ("launch_cluster.sh", ["--prefill-args", "--tensor-parallel-size 2"], "give the script's --tensor-parallel-size"),
+    ("launch_cluster.sh", ["--decode-args", "--devices 0"], "give the script's --devices"),
+    ("launch_cluster.sh", ["--devices", "0:1", "--prefill-args", "--cpu-bind 0"],
+     "--devices and --cpu-bind for prefill worker 0"),
+    ("launch_cluster.sh", ["--tp", "0"], "--tensor-parallel-size must be a positive integer"),
+    ("launch_cluster.sh", ["-D", "2", "--tp", "2", "--ports", "8100,8200,65533"], "KV ports 65533..65536 go past 65535"),
+    ("launch_cluster.sh", ["--prefill-args", "--device tpu"], "--device tpu: cpu, cuda or npu"),
+    ("launch_prefill.sh", ["--tp", "2", "--devices", "0", "--", "--device", "cuda"],
+     "prefill worker 0 gets 1 device(s) (0) for --tensor-parallel-size 2"),
+    ("launch_prefill.sh", ["--", "--tensor-parallel-size", "2"], "give the script's --tensor-parallel-size"),
+    ("launch_prefill.sh", ["--devices", "0,x"], "expected distinct device indices"),
+    ("launch_prefill.sh", ["--tp"], "--tp needs a value"),
+    ("launch_decode.sh", ["-n", "2", "--tp", "2", "-k", "65533"], "KV ports 65533..65536 go past 65535"),
+])
+def test_device_options_refused_with_a_clear_error(tmp_path, script, args, says):
+    p = sh(str(SCRIPTS / script), "--dry-run", "-d", str(tmp_path / "run"), *args, env=no_placement_env())
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert says in p.stderr and p.stderr.startswith("error:"), p.stderr
+    assert not p.stdout and not (tmp_path / "run").exists()
+
+
+SHIM_ENV = """#!/usr/bin/env bash
+# stand-in for python3: record the placement variables and the arguments; serve a fake worker if asked
+echo "${CUDA_VISIBLE_DEVICES-unset} ${VLLM_CPU_OMP_THREADS_BIND-unset} $*" >> "$SHIM_LOG"
+[[ -n ${SHIM_SERVE:-} ]] || exit 0
+port=""
+while [[ $# -gt 0 ]]; do case $1 in --port) port=$2; shift 2 ;; *) shift ;; esac; done
+exec "$REAL_PYTHON" -m proserve.bench.fake_worker --host 127.0.0.1 --port "$port"
+"""
+
+
+def shim_env(tmp_path: Path, **extra) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(SHIM_ENV)
+    (bin_dir / "python3").chmod(0o755)
+    return {**no_placement_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "SHIM_LOG": str(tmp_path / "args"), "REAL_PYTHON": sys.executable, **extra}
+
+
+def shim_lines(tmp_path: Path, n: int) -> list[str]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        f = tmp_path / "args"
+        lines = f.read_text().splitlines() if f.exists() else []
+        if len(lines) >= n:
+            return lines
+        time.sleep(0.1)
+    raise AssertionError(f"the stand-ins recorded fewer than {n} starts")
+
+
+def test_pool_starts_workers_with_their_variables(tmp_path):
+    env = shim_env(tmp_path)
+    run = tmp_path / "run"
+    try:
+        p = sh(str(SCRIPTS / "launch_prefill.sh"), "-n", "2", "--tp", "2", "--devices", "4,5:6,7", "-d", str(run),
+               "-p", str(free_ports(2)), "--", "--device", "cuda", env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "CUDA_VISIBLE_DEVICES=6,7" in p.stdout
+        lines = sorted(shim_lines(tmp_path, 2))
+        assert [line.split()[:2] for line in lines] == [["4,5", "unset"], ["6,7", "unset"]]
+        assert all("--tensor-parallel-size 2" in line for line in lines)
+        (tmp_path / "args").unlink()
+        p = sh(str(SCRIPTS / "launch_decode.sh"), "--tp", "2", "--devices", "1,0", "-d", str(run),
+               "-p", str(free_port()), env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        (line,) = shim_lines(tmp_path, 1)
+        assert line.split()[:2] == ["unset", "1|0"]   # through the shell's quoting intact
+    finally:
+        kill_recorded(run)
+
+
+def test_cluster_starts_workers_with_their_variables(tmp_path):
+    pytest.importorskip("aiohttp", reason="the fake workers need the [serve] extra")
+    env = shim_env(tmp_path, SHIM_SERVE="1")
+    run = tmp_path / "run"
+    port, pbase, dbase, kvbase = free_port(), free_ports(1), free_ports(1), free_ports(2)
+    try:
+        p = sh(str(SCRIPTS / "launch_cluster.sh"), "-d", str(run), "-p", str(port), "--ports",
+               f"{pbase},{dbase},{kvbase}", "--no-secrets", "--tp", "2", "--timeout", "120", *CUDA2, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "cluster ready" in p.stdout
+        lines = shim_lines(tmp_path, 3)
+        by_module = {line.split()[3]: line.split() for line in lines}
+        assert by_module["proserve.prefill"][:2] == ["0,1", "unset"]
+        assert by_module["proserve.decode"][:2] == ["2,3", "unset"]
+        assert by_module["proserve.dispatcher"][:2] == ["unset", "unset"]
+        d = by_module["proserve.dispatcher"]
+        assert opt(d, "--decode") == f"http://127.0.0.1:{dbase}=tcp://127.0.0.1:{kvbase}"
+        assert [e[1] for e in read_pids(run)] == ["prefill", "decode", "dispatcher"]
+    finally:
+        stop = sh(str(SCRIPTS / "stop_cluster.sh"), "-d", str(run), "-t", "10")
+        kill_recorded(run)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
 
 
 SHIM = """#!/usr/bin/env bash
