@@ -30,6 +30,24 @@ VALIDATOR = "proserve.prefill.params:ParamsValidator"
 WORKER_KEEP_ALIVE_S = 75
 
 
+#: the variable that selects the visible devices, per --device (cpu: the cores, per rank)
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+class _Once(argparse.Action):
+    """A flag that may be given once (a second value would silently win otherwise); values >= 1."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = f"_{self.dest}_given"
+        if getattr(namespace, seen, False):
+            parser.error(f"{option_string} given twice")
+        if values < 1:
+            parser.error(f"{option_string} must be at least 1, got {values}")
+        setattr(namespace, seen, True)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser(role: str) -> argparse.ArgumentParser:
     what = "prefill (KV producer)" if role == "prefill" else "decode (KV consumer)"
     ap = argparse.ArgumentParser(
@@ -55,8 +73,18 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                          "--gpu-memory-utilization")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--cpu-bind", default=None,
-                    help="CPU cores for the engine's threads (VLLM_CPU_OMP_THREADS_BIND, e.g. '0' or '0-3'); "
-                         "give co-hosted workers disjoint cores")
+                    help="CPU cores for the engine's threads, verbatim (VLLM_CPU_OMP_THREADS_BIND, e.g. '0' or "
+                         "'0-3'; one '|'-separated group per tensor-parallel rank, e.g. '0|1'); give co-hosted "
+                         "workers disjoint cores. Not with --devices")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", action=_Once,
+                    help="tensor-parallel ranks of the engine (vLLM's --tensor-parallel-size; default 1). Pipeline "
+                         "parallelism is not supported")
+    ap.add_argument("--devices", default=None, metavar="LIST",
+                    help="device indices for this worker, comma-separated (e.g. 0,1; ranges a-b allowed): with "
+                         "--device cuda CUDA_VISIBLE_DEVICES, with npu ASCEND_RT_VISIBLE_DEVICES, one device per "
+                         "rank; with cpu the CPU cores, split evenly over the ranks (VLLM_CPU_OMP_THREADS_BIND, "
+                         "e.g. 0,1,2,3 with 2 ranks: 0-1|2-3). Default: the inherited variables; on CPU with "
+                         "several ranks, the cores this process may use, split evenly")
     sec = ap.add_argument_group(
         "security",
         "Secure by default: HTTP and KV bind loopback unless told otherwise; a non-loopback --host needs an "
@@ -94,17 +122,24 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     if role == "decode":
         ap.add_argument("--kv-listen", default="tcp://127.0.0.1:15600",
                         help="ZeroMQ address where this worker receives KV (default tcp://127.0.0.1:15600; "
-                             "prefill workers push to it). A non-loopback address needs --kv-keys.")
+                             "prefill workers push to it). A non-loopback address needs --kv-keys. With "
+                             "--tensor-parallel-size T it is rank 0's: rank r listens on port + r (tcp), or on "
+                             "PATH.r<r> for r > 0 (ipc), so T consecutive ports must be free.")
         ap.add_argument("--kv-failure", choices=["recompute", "fail"], default="recompute",
                         help="when KV never arrives or fails its checks: recompute the prompt locally (default) "
                              "or fail the request")
         caps = ap.add_argument_group("KV receiver limits", "Bounds on what peers can make the receiver hold.")
         caps.add_argument("--kv-max-open", type=int, default=1024,
                           help="open transfers plus uncollected results (default 1024); more are refused")
-        caps.add_argument("--kv-max-held-mib", type=float, default=2048,
-                          help="received, not yet loaded KV, all peers together, MiB (default 2048)")
-        caps.add_argument("--kv-max-peer-mib", type=float, default=1024,
-                          help="the same, per sending peer, MiB (default 1024)")
+        caps.add_argument("--kv-max-held-mib", type=float, default=None,
+                          help="received, not yet loaded KV, all peers together, MiB, per tensor-parallel rank "
+                               "(default: --kv-prefill-peers times the KV of the longest prompt, at least 2048)")
+        caps.add_argument("--kv-max-peer-mib", type=float, default=None,
+                          help="the same, per sending peer, MiB (default: the KV of the longest prompt this "
+                               "engine accepts, --max-model-len tokens of this rank's KV, at least 1024)")
+        caps.add_argument("--kv-prefill-peers", type=int, default=4,
+                          help="prefill workers whose longest prompts the receiver holds at once, for the default "
+                               "of --kv-max-held-mib (default 4)")
         caps.add_argument("--kv-max-message-mib", type=float, default=64,
                           help="largest accepted KV message, MiB (default 64); ZeroMQ drops a peer that sends more")
         caps.add_argument("--kv-result-ttl", type=float, default=None,
@@ -273,10 +308,16 @@ def kv_transfer_config(role: str, args, heartbeat: str | None = None) -> dict:
     if args.kv_insecure:
         extra["insecure"] = True
     if role == "decode":
-        extra.update(max_open_transfers=args.kv_max_open, max_held_mib=args.kv_max_held_mib,
-                     max_peer_mib=args.kv_max_peer_mib, max_message_mib=args.kv_max_message_mib,
+        extra.update(max_open_transfers=args.kv_max_open, max_message_mib=args.kv_max_message_mib,
+                     prefill_peers=args.kv_prefill_peers,
                      result_ttl_s=args.kv_result_ttl if args.kv_result_ttl is not None
-                     else max(120.0, 2 * args.kv_timeout))
+                     else max(120.0, 2 * args.kv_timeout),
+                     # a consumer loads between steps: vLLM may keep full CUDA graphs
+                     layerwise_save=False)
+        # unset: sized by the connector from the engine's own KV cache (kvtransfer.layout.receiver_caps)
+        for key, v in (("max_held_mib", args.kv_max_held_mib), ("max_peer_mib", args.kv_max_peer_mib)):
+            if v is not None:
+                extra[key] = v
     else:
         extra["connect_timeout_s"] = args.kv_connect_timeout
     for item in args.kv_extra:
@@ -328,6 +369,7 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
         env["VLLM_API_KEY"] = read_api_key(args.api_key_file)
     if heartbeat:
         env[worker_http.HEARTBEAT_ENV] = heartbeat
+        env[worker_http.RANKS_ENV] = str(args.tensor_parallel_size)   # a receiver (and heartbeat) per rank
     # metrics of the engine process (scheduler plugin, KV connector) reach vLLM's /metrics
     # through a fresh multiprocess directory (see prefill.sched_metrics)
     env["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(run_dir, "metrics")
@@ -355,12 +397,131 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
         # vLLM would guard /v1/* with it, but WorkerGuard (every other route) would not know it
         raise SystemExit("error: pass the worker's API key with --api-key-file, not `-- --api-key` (only "
                          "/v1/* would need it then; /tokenize, /detokenize and the other routes would stay open)")
+    check_parallel_passthrough(rest)
+    argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     argv += rest
+    if role == "decode":
+        check_kv_listen_ranks(args.kv_listen, args.tensor_parallel_size)
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
         if args.cpu_bind:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
+            env[CPU_BIND_ENV] = args.cpu_bind
+    env.update(device_env(args, env))
     return argv, env
+
+
+def _vllm_option(rest: list[str], long: str, short: str) -> list[tuple[str, str]]:
+    """(flag as written, value) of each use of a vLLM option in the passthrough, read as vLLM's
+    parser reads it: underscores for dashes, a prefix of the long name, `=VALUE` or the next word."""
+    found = []
+    for i, a in enumerate(rest):
+        name, eq, value = a.partition("=")
+        if name.startswith("--"):
+            hit = len(name) >= 5 and long.startswith(name.replace("_", "-"))
+        else:
+            hit = name == short
+        if hit:
+            found.append((name, value if eq else (rest[i + 1] if i + 1 < len(rest) else "")))
+    return found
+
+
+def check_parallel_passthrough(rest: list[str]) -> None:
+    """Tensor parallelism only through --tensor-parallel-size (it also places devices and KV
+    addresses); no pipeline parallelism (the KV connector does not handle it)."""
+    for flag, _ in _vllm_option(rest, "--tensor-parallel-size", "-tp"):
+        raise SystemExit(f"error: `-- {flag}`: use the worker's --tensor-parallel-size N (it also sets the "
+                         f"devices and the KV addresses of the ranks), not vLLM's")
+    for flag, value in _vllm_option(rest, "--pipeline-parallel-size", "-pp"):
+        if value.strip().isdigit() and int(value) > 1:
+            raise SystemExit(f"error: `-- {flag} {value}`: pipeline parallelism is not supported by ProServe's KV "
+                             f"connector yet; use --tensor-parallel-size")
+
+
+def check_kv_listen_ranks(listen: str, tp: int) -> None:
+    """Rank r of a decode worker listens on the --kv-listen port + r: they must all exist."""
+    if tp > 1 and listen.startswith("tcp://"):
+        port = listen.rsplit(":", 1)[-1]
+        if port.isdigit() and int(port) + tp - 1 > 65535:
+            raise SystemExit(f"error: --kv-listen {listen} with --tensor-parallel-size {tp}: ranks listen on ports "
+                             f"{port}..{int(port) + tp - 1}, past 65535")
+
+
+def parse_ids(text: str, flag: str) -> list[int]:
+    """'0,1' or '0-3,6' -> [0, 1] / [0, 1, 2, 3, 6]: distinct non-negative integers, in order."""
+    ids: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise SystemExit(f"error: {flag} {text}: expected comma-separated device indices, e.g. 0,1 "
+                             f"(ranges a-b allowed)")
+        ids.extend(range(int(lo), int(hi if dash else lo) + 1))
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise SystemExit(f"error: {flag} {text}: {', '.join(map(str, dup))} given twice")
+    return ids
+
+
+def id_ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (the syntax of VLLM_CPU_OMP_THREADS_BIND's groups)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def cpu_bind_groups(cores: list[int], tp: int) -> str:
+    """An equal share of ``cores`` per rank, ranks separated by '|' (extra cores stay unbound)."""
+    share = len(cores) // tp
+    return "|".join(id_ranges(cores[r * share:(r + 1) * share]) for r in range(tp))
+
+
+def device_env(args, env: dict) -> dict[str, str]:
+    """The variables that place the worker's ranks: visible devices (cuda, npu) or each rank's
+    cores (cpu). ``env`` is the environment so far (an inherited binding is respected)."""
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise SystemExit(f"error: --tensor-parallel-size must be at least 1, got {tp}")
+    if args.devices is not None and args.cpu_bind:
+        raise SystemExit("error: --cpu-bind and --devices both place the engine's threads: give one")
+    out: dict[str, str] = {}
+    if args.devices is not None:
+        ids = parse_ids(args.devices, "--devices")
+        if args.device != "cpu":
+            if len(ids) != tp:
+                raise SystemExit(f"error: --devices {args.devices}: {len(ids)} device(s) for --tensor-parallel-size "
+                                 f"{tp}: give exactly {tp}, one per rank")
+            out[VISIBLE_DEVICES[args.device]] = ",".join(map(str, ids))
+            return out
+        if len(ids) % tp:
+            raise SystemExit(f"error: --devices {args.devices}: {len(ids)} CPU core(s) for --tensor-parallel-size "
+                             f"{tp}: give a multiple of {tp} (each rank gets an equal share)")
+        allowed = os.sched_getaffinity(0)
+        outside = [i for i in ids if i not in allowed]
+        if outside:
+            raise SystemExit(f"error: --devices {args.devices}: core(s) {id_ranges(outside)} are not allowed to this "
+                             f"process (allowed: {id_ranges(sorted(allowed))})")
+        out[CPU_BIND_ENV] = cpu_bind_groups(ids, tp)
+        return out
+    if args.device != "cpu":
+        return out
+    bind = env.get(CPU_BIND_ENV)
+    if bind is None and tp > 1:
+        # vLLM's own binding gives each rank a NUMA node: it fails with fewer nodes than ranks
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tp:
+            print(f"warning: {len(cores)} CPU core(s) for {tp} tensor-parallel ranks: the ranks share cores "
+                  f"{id_ranges(cores)}", file=sys.stderr)
+            out[CPU_BIND_ENV] = "|".join([id_ranges(cores)] * tp)
+        else:
+            out[CPU_BIND_ENV] = cpu_bind_groups(cores, tp)
+    elif bind not in (None, "auto", "nobind") and len(bind.split("|")) != tp:
+        what = "--cpu-bind" if args.cpu_bind else CPU_BIND_ENV
+        raise SystemExit(f"error: {what} {bind!r} has {len(bind.split('|'))} '|'-separated group(s) for "
+                         f"--tensor-parallel-size {tp}: give one group of cores per rank")
+    return out
 
 
 def scheduling_config(role: str, args) -> tuple[dict, dict]:
@@ -441,6 +602,7 @@ def main(role: str, argv: list[str] | None = None) -> None:
     try:
         validate.integer("error", "--port", args.port, 1, 65535)
         for name in ("kv_timeout", "kv_connect_timeout", "kv_max_held_mib", "kv_max_peer_mib", "kv_max_message_mib",
+                     "kv_prefill_peers",
                      "kv_result_ttl", "kv_max_open"):
             v = getattr(args, name, None)
             if v is not None:
