@@ -261,10 +261,22 @@ class ProServeWorkerMetadata(KVConnectorWorkerMetadata):
     dests: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        """vLLM merges the tensor-parallel ranks' metadata with this: a transfer or a
+        destination that failed on several ranks keeps every rank's reason (a refusal
+        by rank 0's receiver and a timeout on rank 1's say different things), and a
+        destination stays out for the longest of the ranks' cool-downs."""
         if isinstance(other, ProServeWorkerMetadata):
-            self.failed.update(other.failed)
-            self.dests.update(other.dests)
+            for x, (dest, err) in other.failed.items():
+                mine = self.failed.get(x)
+                self.failed[x] = (dest, err) if mine is None else (mine[0], _join(mine[1], err))
+            for d, (open_s, err) in other.dests.items():
+                mine = self.dests.get(d)
+                self.dests[d] = (open_s, err) if mine is None else (max(mine[0], open_s), _join(mine[1], err))
         return self
+
+
+def _join(a: str, b: str, limit: int = 2000) -> str:
+    return a if not b or b in a else f"{a}; {b}"[:limit]
 
 
 class ProServeConnector(KVConnectorBase_V1):
@@ -514,12 +526,24 @@ class ProServeConnector(KVConnectorBase_V1):
 
     def _start_pusher(self) -> None:
         cfg = self._kv_transfer_config
-        dump = (lambda xfer, name, t: _dump(self.debug_dir, xfer, name, t)) if self.debug_dir else None
+        dump = self._dumper()
         self._pusher = _unpinned(lambda: KVPusher(
             self._new_sender, timeout_s=self.timeout_s,
             max_staged_bytes=int(_extra(cfg, "max_staged_mib", 512.0) * MIB),
             on_sent=self.metrics.sent, on_failed=self._count_failure, dump=dump,
             name=f"kvpusher-r{self.tp_rank}"))
+
+    def _ranked(self, err: str) -> str:
+        """An error as the scheduler side reports it: which rank, when there are several."""
+        return f"rank {self.tp_rank}: {err}" if self.tp_size > 1 and err else err
+
+    def _dumper(self):
+        """Test hook (``debug_dump_dir``): raw bytes of what is sent / loaded, rank r > 0 under
+        ``DIR.r<r>``."""
+        if not self.debug_dir:
+            return None
+        root = rank_path(self.debug_dir, self.tp_rank)
+        return lambda xfer, name, t: _dump(root, xfer, name, t)
 
     def _count_failure(self, addr: str, e: BaseException) -> None:
         self.metrics.send_failed(addr, "destination_unavailable" if isinstance(e, DestinationUnavailable)
@@ -547,7 +571,7 @@ class ProServeConnector(KVConnectorBase_V1):
                   stale_after_s=_extra(cfg, "stale_after_s", max(120.0, 4 * self.timeout_s)),
                   name=f"kvreceiver-r{self.tp_rank}")
         self._receiver = _unpinned(lambda: KVReceiver(listen, **kw))
-        dump = (lambda xfer, name, t: _dump(self.debug_dir, xfer, name, t)) if self.debug_dir else None
+        dump = self._dumper()
         self._loader = _unpinned(lambda: KVLoader(caches, self._block_dim, self.debug_corrupt, dump,
                                                   name=f"kvloader-r{self.tp_rank}"))
         log.info("ProServe KV receiver of rank %d/%d listening on %s (%s); caps: %.0f MiB per peer, %.0f MiB in "
@@ -615,7 +639,8 @@ class ProServeConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._pusher is not None:
-            self._meta_failed.update(self._pusher.failures())
+            for xfer, (dest, err) in self._pusher.failures().items():
+                self._meta_failed[xfer] = (dest, self._ranked(err))
             for xfer, _error in self._pusher.outcomes().items():
                 req_id = self._finishing.pop(xfer, None)
                 if req_id is not None:
@@ -685,7 +710,8 @@ class ProServeConnector(KVConnectorBase_V1):
             told = None if ok else st["open_until"]
             if self._dest_reported.get(addr) != told:
                 self._dest_reported[addr] = told
-                meta.dests[addr] = (0.0 if ok else max(0.0, st["open_until"] - now), st.get("last_error") or "")
+                meta.dests[addr] = (0.0 if ok else max(0.0, st["open_until"] - now),
+                                    self._ranked(st.get("last_error") or ""))
                 self.metrics.destination(addr, ok)
         return meta if (meta.failed or meta.dests) else None
 

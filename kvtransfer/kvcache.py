@@ -157,17 +157,20 @@ def _plan_chunks(piece, layer: int, where: str, lshape: tuple, first: int) -> li
 
 
 def write(copies: list[ChunkCopy], caches: Sequence[torch.Tensor], block_dim: int, block_ids: Sequence[int],
-          skip: int, stream=None) -> int:
+          skip: int, stream=None, after=None) -> int:
     """Apply checked chunk copies (from :func:`plan_load`) to the caches; returns
     the number of block writes. CPU caches are written straight from the
     received buffers; an accelerator's through one pinned staging buffer, on
-    ``stream`` (default: the current one). Returns once the bytes are in the cache."""
+    ``stream`` (default: the current one), after the event ``after`` (the
+    forward stream's work queued when the load was handed over: under async
+    scheduling a step already queued may still write blocks vLLM has freed
+    and given to this request since). Returns once the bytes are in the cache."""
     if not copies:
         return 0
     if caches[0].device.type == "cpu":
         return sum(_write_chunk(c, _host_view(c), caches[c.layer], block_dim, block_ids, skip, False)
                    for c in copies)
-    return _write_device(copies, caches, block_dim, block_ids, skip, stream)
+    return _write_device(copies, caches, block_dim, block_ids, skip, stream, after)
 
 
 def _host_view(c: ChunkCopy) -> torch.Tensor:
@@ -219,10 +222,14 @@ def _unravel(i: int, dims: Sequence[int]) -> tuple[int, ...]:
 
 
 def _write_device(copies: list[ChunkCopy], caches: Sequence[torch.Tensor], block_dim: int,
-                  block_ids: Sequence[int], skip: int, stream=None) -> int:
-    """Accelerator cache: every chunk into one pinned host buffer, then to the device
-    without blocking (the host-to-device copies need a pinned source to run
-    asynchronously), and the buffer released only once they are done."""
+                  block_ids: Sequence[int], skip: int, stream=None, after=None) -> int:
+    """Accelerator cache: every chunk into one pinned host buffer, each chunk to the
+    device as it is (a contiguous copy, asynchronous from pinned memory), then
+    into the cache's views by device-to-device copies (a strided view as the
+    source of a host-to-device copy would make torch gather it on the host,
+    into pageable memory, and block); the host buffer is released only once
+    the copies reading it are done. (The pinned buffer is as large as the
+    transfer; torch's pinned-memory cache keeps it for the next load.)"""
     from .common import device_api
     from .pusher import host_tensor
     device = caches[0].device
@@ -236,11 +243,14 @@ def _write_device(copies: list[ChunkCopy], caches: Sequence[torch.Tensor], block
         spans.append(pos)
         pos += c.nbytes
     stream = stream if stream is not None else api.current_stream(device)
+    if after is not None:
+        stream.wait_event(after)
     writes = 0
     with api.stream(stream):
         for c, at in zip(copies, spans):
-            src = stage[at:at + c.nbytes].view(c.dtype).view(c.rows, *c.row_shape)
-            writes += _write_chunk(c, src, caches[c.layer], block_dim, block_ids, skip, non_blocking)
+            raw = stage[at:at + c.nbytes].to(device, non_blocking=non_blocking)
+            src = raw.view(c.dtype).view(c.rows, *c.row_shape)
+            writes += _write_chunk(c, src, caches[c.layer], block_dim, block_ids, skip, False)
         done = api.Event()
         done.record(stream)
     _release_stage(done, stage)

@@ -27,7 +27,7 @@ log = logging.getLogger("proserve.kvtransfer")
 
 
 def inject(xfer: str, digest: str, block_ids, skip: int, result, caches, block_dim: int, stream=None,
-           corrupt: str | None = None, dump: Callable[[str, str, Any], None] | None = None) -> None:
+           corrupt: str | None = None, dump: Callable[[str, str, Any], None] | None = None, after=None) -> None:
     """Write a received transfer into the blocks vLLM allocated for the request:
     checked first (it belongs to this request -- ``digest`` of its prompt --, fits
     this engine's cache and covers the request's blocks; :class:`LoadRejected`
@@ -38,7 +38,7 @@ def inject(xfer: str, digest: str, block_ids, skip: int, result, caches, block_d
         raise LoadRejected(f"transfer {xfer!r} was made for another prompt (digest "
                            f"{result.digest[:12] or 'missing'} != {digest[:12]})")
     copies = plan_load(result.pieces, caches, block_dim, block_ids, skip)
-    write(copies, caches, block_dim, block_ids, skip, stream)
+    write(copies, caches, block_dim, block_ids, skip, stream, after)
     if corrupt:
         corrupt_first_block(copies, caches, block_dim, block_ids, skip, corrupt)
     if dump is not None:
@@ -67,8 +67,16 @@ class KVLoader:
         self._thread.start()
 
     def submit(self, req_id: str, xfer: str, digest: str, block_ids, skip: int, result) -> None:
+        """Queue a load; on an accelerator it runs after the work the forward stream has
+        queued so far (an event recorded now)."""
+        after = None
+        dev = self.caches[0].device if self.caches else None
+        if dev is not None and dev.type != "cpu":
+            api = device_api(dev)
+            after = api.Event()
+            after.record(api.current_stream(dev))
         with self._cv:
-            self._jobs.append((req_id, xfer, digest, list(block_ids), skip, result))
+            self._jobs.append((req_id, xfer, digest, list(block_ids), skip, result, after))
             self._cv.notify()
 
     def done(self) -> dict[str, tuple[str | None, str | None, int]]:
@@ -101,11 +109,11 @@ class KVLoader:
                     self._cv.wait()
                 if self._closing:
                     return
-                req_id, xfer, digest, block_ids, skip, result = self._jobs.popleft()
+                req_id, xfer, digest, block_ids, skip, result, after = self._jobs.popleft()
             error = reason = None
             try:
                 inject(xfer, digest, block_ids, skip, result, self.caches, self.block_dim, self._stream,
-                       self.corrupt, self.dump)
+                       self.corrupt, self.dump, after)
             except LoadRejected as e:
                 error, reason = str(e), "rejected"
             except Exception as e:  # never an engine crash: the request recomputes instead

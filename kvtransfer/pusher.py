@@ -59,13 +59,23 @@ IDLE_WAIT_S = 0.1
 DEST_LOOK_S = 0.05
 
 
+_unpinned_warned = False
+
+
 def host_tensor(shape, dtype):
     """Pinned host memory (copies from and to the device then run asynchronously), or
-    pageable memory where no accelerator runtime can pin (the copies then block)."""
+    pageable memory where no accelerator runtime can pin (the copies then block: said
+    once in the log when an accelerator is present)."""
     import torch
+    global _unpinned_warned
     try:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    except RuntimeError:
+    except RuntimeError as e:
+        if not _unpinned_warned and getattr(torch, "accelerator", None) is not None \
+                and torch.accelerator.is_available():
+            _unpinned_warned = True
+            log.warning("kvtransfer: pinned host memory unavailable (%s): KV copies to and from the device "
+                        "will block the thread that makes them", e)
         return torch.empty(shape, dtype=dtype)
 
 

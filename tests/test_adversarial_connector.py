@@ -194,3 +194,19 @@ def test_kv_destinations_are_bounded(monkeypatch):
         assert len(p._senders) == 3
     finally:
         p.close()
+
+
+def test_the_ranks_worker_metadata_keeps_every_ranks_reason():
+    """vLLM merges the tensor-parallel ranks' worker metadata with aggregate(): a transfer
+    refused by rank 0's receiver and timed out on rank 1's keeps both reasons, and the
+    destination stays out for the longer cool-down."""
+    M = connector.ProServeWorkerMetadata
+    r0 = M(failed={"x": ("tcp://d:1", "rank 0: refuses this sender: tensor-parallel size 2")},
+           dests={"tcp://d:1": (4.0, "rank 0: refused")})
+    r1 = M(failed={"x": ("tcp://d:1", "rank 1: no credit grant"), "y": ("tcp://e:1", "rank 1: reset")},
+           dests={"tcp://d:1": (2.0, "rank 1: no credit grant")})
+    m = r0.aggregate(r1)
+    assert m.failed["x"] == ("tcp://d:1", "rank 0: refuses this sender: tensor-parallel size 2; rank 1: no credit grant")
+    assert m.failed["y"] == ("tcp://e:1", "rank 1: reset")
+    assert m.dests["tcp://d:1"] == (4.0, "rank 0: refused; rank 1: no credit grant")
+    assert r0.aggregate(M(failed={"x": ("tcp://d:1", "rank 1: no credit grant")})).failed["x"][1].count("rank 1") == 1
