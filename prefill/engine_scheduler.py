@@ -23,10 +23,33 @@ takes are all in :mod:`proserve.prefill.vllm_shim`, checked when the engine star
    step". vLLM's own token budget (``max_num_batched_tokens``) still bounds the
    batch.
 
-Online correction (§4.1): the time from the end of ``schedule()`` to the
-matching ``update_from_output()`` is the step's measured time (vLLM on CPU
-schedules synchronously; the plugin refuses async scheduling), the estimate is
-T_pd of the batch vLLM actually scheduled, and the pair feeds β.
+Synchronous and async scheduling. ``ProServeScheduler`` is the one class users
+name; built under vLLM's async scheduling (``scheduler_config.async_scheduling``:
+on by default on CUDA, forced off on CPU) it is a :class:`ProServeAsyncScheduler`,
+the same plugin over vLLM's ``AsyncScheduler`` (``vllm/v1/core/sched/async_scheduler.py``),
+which keeps the output placeholders that let vLLM schedule step N+1 while step N
+runs. vLLM's engine then keeps several steps in flight (``EngineCore.step_with_batch_queue``
+in ``vllm/v1/engine/core.py``: ``schedule()`` of step N+1 comes before
+``update_from_output()`` of step N; up to ``vllm_config.max_concurrent_batches``
+of them, 2 with async scheduling, ``pp_size`` with pipeline parallelism), so the
+plugin keeps its steps in flight first in, first out, each matched to its
+``update_from_output(scheduler_output, ...)`` by identity of the ``SchedulerOutput``.
+Under async scheduling a request whose last prefill chunk or decode token is in
+flight has ``num_computed_tokens`` already advanced; the policy sees it as vLLM
+will schedule it next (decoding, with that KV), and does not see it at all when
+vLLM will skip it (its tokens in flight already reach ``max_tokens``, e.g. a
+prefill-only request's first token), so that it is not priced as a phantom
+decode. Under synchronous scheduling nothing is in flight when a step is
+planned, and the view is what it always was.
+
+Online correction (§4.1): a step's measured time runs from when it started
+executing to when its result came back, the entry of its ``update_from_output()``;
+it started when it was scheduled (the end of its ``schedule()``) or when the
+previous step's result came back, whichever is later:
+``T_real(N) = t_update(N) - max(t_sched_end(N), t_update(N-1))``. Scheduled
+synchronously, step N-1's result is back before step N is scheduled, and this is
+the time from the end of ``schedule()`` to the matching ``update_from_output()``.
+The estimate is T_pd of the batch vLLM actually scheduled, and the pair feeds β.
 
 What is not vLLM-specific — the view with its admission reserve, the tokens each
 request runs, β, telling the policy of finished batches and requests — is
@@ -39,9 +62,12 @@ per-step timing and recording: that is what the profiler drives and what the
 scheduling-overhead benchmark compares against.
 
 Step record (``record_steps``): one JSON line per executed step, written only
-when recording is on. Besides the batch's composition and timing (``step``,
-``wall``, ``prefills``, ``decodes``, ``time``, ``sched_s``, ``est``, ``beta``
-after the step, ``waiting``, ``finished``) it holds what vLLM did, ``admitted``
+when recording is on, when its result comes back (so in the order steps were
+scheduled). Besides the batch's composition and timing (``step``, ``wall``,
+``prefills``, ``decodes``, ``time``, ``sched_s``, ``est``, ``beta`` after the
+step, ``waiting``, ``finished``, and ``in_flight``: how many steps scheduled
+after it were still in flight when its result came back, always 0 when
+scheduling synchronously) it holds what vLLM did, ``admitted``
 (``[id, class, prompt length, chunk]`` of the requests it took from its waiting
 queue, in admission order) and ``scheduled`` (``[id, tokens]`` of every request
 in the step, in vLLM's order: running requests first, then the waiting ones),
@@ -69,12 +95,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from proserve.scheduler.host import LocalHost, ViewOrder
-from proserve.scheduler.local.base import PREFILL_ONLY, InstanceView
+from proserve.scheduler.local.base import PREFILL_ONLY, BatchPlan, InstanceView
 from proserve.scheduler.request import ConfigError, Phase
 from proserve.scheduler.request import Request as PolicyRequest
 
@@ -84,9 +112,31 @@ from .params import ParamsError, parse
 
 logger = logging.getLogger("proserve.scheduler")
 
+#: steps in flight past which the oldest is given up for lost (vLLM keeps at most
+#: ``max_concurrent_batches`` in flight: 2 with async scheduling, ``pp_size`` + 1 at most)
+MAX_IN_FLIGHT = 64
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """A step scheduled and not yet given back to ``update_from_output()``."""
+
+    out: Any                 # the SchedulerOutput schedule() returned: matched by identity
+    step: int                # the plugin's step number
+    t_end: float             # step_clock at the end of its schedule()
+    sched_s: float           # how long its schedule() took
+    behind: bool             # an executed step was still in flight when it was scheduled
+    batch: tuple | None      # (prefills, decodes) vLLM scheduled, in plan order; None: nothing
+    admitted: list
+    scheduled: list | None   # [id, tokens] in vLLM's order, for the step record
+    plan: BatchPlan | None   # what the policy planned (for policy.on_batch_done); None: nothing
+    plan_record: dict | None
+
 
 class ProServeScheduler(Scheduler):
-    """A thin vLLM ``Scheduler`` whose batch decisions come from a ``scheduler/`` policy."""
+    """A thin vLLM ``Scheduler`` whose batch decisions come from a ``scheduler/`` policy.
+
+    Under vLLM's async scheduling, constructing it gives a :class:`ProServeAsyncScheduler`."""
 
     #: the clocks the plugin reads: Unix time for request and token times (arrival times come
     #: as Unix times), a monotonic clock for step durations; a test replaying an event sequence
@@ -94,15 +144,25 @@ class ProServeScheduler(Scheduler):
     wall_clock = staticmethod(time.time)
     step_clock = staticmethod(time.perf_counter)
 
+    def __new__(cls, vllm_config, *args: Any, **kwargs: Any):
+        # vLLM builds the class it is given (SchedulerConfig.get_scheduler_cls uses scheduler_cls as
+        # is), so the async behaviour vLLM's engine expects under async scheduling comes from here:
+        # the async variant is a subclass, so Python runs __init__ on it as usual
+        if cls is ProServeScheduler and vllm_shim.async_scheduling(vllm_config):
+            return super().__new__(ProServeAsyncScheduler)
+        return super().__new__(cls)
+
     def __init__(self, vllm_config, *args: Any, **kwargs: Any) -> None:
         vllm_shim.check()              # an unsupported vLLM stops here, saying why
+        if vllm_shim.async_scheduling(vllm_config) and not isinstance(self, vllm_shim.AsyncScheduler):
+            # a subclass of the synchronous plugin: vLLM would run ahead of it without placeholders
+            raise ConfigError(f"{type(self).__name__} is a synchronous scheduler but vLLM runs this engine with "
+                              f"async scheduling: derive it from ProServeAsyncScheduler, or run vLLM with "
+                              f"--no-async-scheduling")
         super().__init__(vllm_config, *args, **kwargs)
         vllm_shim.check_instance(self)
         extra = getattr(vllm_config, "additional_config", None) or {}
         cfg = self.ps_config = EngineConfig.from_dict(extra.get("proserve"))
-        if getattr(self.scheduler_config, "async_scheduling", False):
-            raise ConfigError("ProServeScheduler needs synchronous scheduling (it times each step between "
-                              "schedule() and update_from_output()): run vLLM with --no-async-scheduling")
         # issue 14: vLLM's KV-cache events for the dispatcher's index, on ProServe's publisher
         from .kv_events import CONFIG_KEY, install
 
@@ -116,11 +176,15 @@ class ProServeScheduler(Scheduler):
         self._order = ViewOrder()   # the simulator's order of the view, not vLLM's queue order
         self._caps: dict[str, int] | None = None      # the plan's tokens, while vLLM schedules
         self._planned: dict[str, int] | None = None   # ... and until the step is noted (_remember)
-        # (t_end, prefills, decodes, sched_s, admitted, scheduled) of the step in flight
-        self._last: tuple | None = None
+        # the plan of the step being scheduled, until _remember files it with the step
+        self._plan: BatchPlan | None = None
         self._plan_record: dict | None = None
         self._plan_view: InstanceView | None = None   # the view of that plan, recorded after timing
-        self._plan = None          # the BatchPlan of the step in flight, for policy.on_batch_done
+        self._in_flight: deque[InFlight] = deque()    # steps scheduled, oldest first
+        self._t_result: float | None = None   # step_clock when the latest executed step's result came back
+        # request id -> the step whose schedule() put it in the decoding order because its first
+        # token was in flight (async), so that that step's update_from_output does not add it again
+        self._joined: dict[str, int] = {}
         self._failing: dict[str, str] = {}   # request id -> why, failed until update_from_output reports it
         self.last_info = None      # ScheduleInfo of the latest plan
         self.steps = 0
@@ -129,8 +193,8 @@ class ProServeScheduler(Scheduler):
         self.metrics = sched_metrics.for_policy(cfg.local_policy, self.estimator)
         from . import queue_publisher  # issue 15: the queued prefill work, for several dispatchers
         self._publisher = queue_publisher.from_config(cfg)
-        logger.info("ProServe scheduler: policy=%s mode=%s classes=%s", cfg.local_policy, cfg.mode,
-                    ",".join(self.classes))
+        logger.info("ProServe scheduler: policy=%s mode=%s classes=%s scheduling=%s", cfg.local_policy, cfg.mode,
+                    ",".join(self.classes), "async" if isinstance(self, vllm_shim.AsyncScheduler) else "synchronous")
 
     # -- requests in and out -------------------------------------------------------
     def add_request(self, request) -> None:
@@ -172,6 +236,7 @@ class ProServeScheduler(Scheduler):
         if v is None:
             return
         self._order.forget(v.id)
+        self._joined.pop(v.id, None)
         if error is not None:
             v.fail(error)
         elif aborted:
@@ -185,20 +250,39 @@ class ProServeScheduler(Scheduler):
         self.host.finished(v, now)
 
     # -- the view the policy sees ------------------------------------------------------
+    def _state(self, req) -> tuple[PolicyRequest, int, int, bool] | None:
+        """``(policy request, tokens to prefill, computed tokens, decoding)`` of a vLLM request as
+        the next step can run it; None if the next step cannot run it (not the plugin's, not
+        schedulable, being failed, or skipped by vLLM's running loop whatever it is offered).
+
+        Under async scheduling the tokens sampled by steps still in flight count as outputs
+        already (vLLM advanced ``num_computed_tokens`` over their inputs when it scheduled them):
+        a request whose last prefill chunk is in flight decodes next. Their times are not known
+        yet, so the policy's ``token_times`` still lack them. Synchronously nothing is in flight."""
+        rid = req.request_id
+        v = self._views.get(rid)
+        if v is None or req.status not in vllm_shim.SCHEDULABLE or rid in self._failing:
+            return None
+        if vllm_shim.skipped_next_step(self, req):
+            return None    # e.g. a prefill-only request whose first (and only) token is in flight
+        done = req.num_computed_tokens
+        pending = vllm_shim.in_flight_tokens(req)
+        n_out = req.num_output_tokens + pending
+        if n_out == 0 or req.num_tokens + pending - done > 1:
+            # prompt (or, after a recompute preemption, prompt + outputs) still to prefill
+            return v, (req.num_tokens if n_out else req.num_prompt_tokens), done, False
+        return v, done, done, True
+
     def _sync(self, req) -> PolicyRequest | None:
         """Refresh the policy's copy of a vLLM request; None if it cannot be scheduled now."""
-        v = self._views.get(req.request_id)
-        if v is None or req.status not in vllm_shim.SCHEDULABLE or req.request_id in self._failing:
+        state = self._state(req)
+        if state is None:
             return None
-        done = req.num_computed_tokens
-        n_out = req.num_output_tokens
-        if n_out == 0 or req.num_tokens - done > 1:
-            # prompt (or, after a recompute preemption, prompt + outputs) still to prefill
-            if v.phase is Phase.DECODING:
-                self._order.preempted(v.id)   # vLLM preempted it while it decoded
-            v.sync(req.num_tokens if n_out else req.num_prompt_tokens, done, decoding=False)
-        else:
-            v.sync(done, done, decoding=True)
+        v, prefill_len, done, decoding = state
+        if not decoding and v.phase is Phase.DECODING:
+            self._order.preempted(v.id)   # vLLM preempted it while it decoded
+            self._joined.pop(v.id, None)
+        v.sync(prefill_len, done, decoding=decoding)
         return v
 
     def _view(self, now: float) -> InstanceView:
@@ -225,7 +309,7 @@ class ProServeScheduler(Scheduler):
         if self._plan_view is not None:
             # written out here, after timing, so that recording does not count as scheduling time;
             # nothing changes the policy's requests between the plan and here
-            self._plan_record["view"] = view_record(self._plan_view)
+            self._in_flight[-1].plan_record["view"] = view_record(self._plan_view)
             self._plan_view = None
         return out
 
@@ -255,6 +339,14 @@ class ProServeScheduler(Scheduler):
                 out = super().schedule(*args, **kwargs)
         finally:
             self._caps, self._planned = None, caps
+        for r, _ in plan.prefill:                 # in plan order
+            req = self.requests.get(r.id)
+            if req is not None and vllm_shim.in_flight_tokens(req) > 0 and r.id not in self._joined:
+                # async: its last chunk was scheduled and its first token is in flight; the next
+                # view (planned before that token is back) lists it as decoding, in the order in
+                # which prefills finish, as the simulator does (_remember numbers this step next)
+                self._order.prefilled(r.id)
+                self._joined[r.id] = self.steps + 1
         info = plan.info
         if not plan.empty:
             self.metrics.plan(info, self.estimator.beta)
@@ -292,11 +384,21 @@ class ProServeScheduler(Scheduler):
         return min(n, self._caps.get(request.request_id, 0))
 
     def _remember(self, out, t_end: float, sched_s: float) -> None:
-        """Note the batch vLLM actually scheduled, for β and the step record."""
+        """Note the step vLLM actually scheduled (the batch, for β and the step record; the plan,
+        for the policy) as the newest in flight."""
         self.steps += 1
         planned, self._planned = self._planned or {}, None
+        plan, self._plan = self._plan, None
+        plan_record, self._plan_record = self._plan_record, None
+        q = self._in_flight
+        behind = any(s.batch is not None for s in q)
+        step = InFlight(out, self.steps, t_end, sched_s, behind, None, [], None, plan, plan_record)
+        q.append(step)
+        if len(q) > MAX_IN_FLIGHT:
+            lost = q.popleft()
+            logger.error("step %d was never given back to update_from_output (%d steps in flight); dropping it "
+                         "from the online correction", lost.step, len(q))
         if out.total_num_scheduled_tokens <= 0:
-            self._last = None
             return
         # the batch in plan order (then anything unplanned), as the simulator lists it: β adds the
         # batch's costs in this order, and a float sum depends on its order
@@ -319,18 +421,49 @@ class ProServeScheduler(Scheduler):
             req = self.requests.get(new.req_id)
             admitted.append([new.req_id, v.priority if v else None, req.num_prompt_tokens if req else None,
                              out.num_scheduled_tokens.get(new.req_id, 0)])
-        scheduled = list(map(list, out.num_scheduled_tokens.items())) if self._record is not None else None
-        self._last = (t_end, prefills, decodes, sched_s, admitted, scheduled)
+        step.batch = (prefills, decodes)
+        step.admitted = admitted
+        step.scheduled = list(map(list, out.num_scheduled_tokens.items())) if self._record is not None else None
+
+    @property
+    def _last(self) -> tuple | None:
+        """The newest step's batch as ``(t_end, prefills, decodes, sched_s, admitted, scheduled)``,
+        None if it scheduled nothing (what a test driving the plugin reads after ``schedule()``)."""
+        if not self._in_flight or self._in_flight[-1].batch is None:
+            return None
+        s = self._in_flight[-1]
+        return (s.t_end, *s.batch, s.sched_s, s.admitted, s.scheduled)
+
+    def _given_back(self, out) -> InFlight | None:
+        """The step in flight whose SchedulerOutput is ``out``: the oldest one, as vLLM's batch queue
+        is first in, first out. Anything else is logged loudly, not raised: steps older than the one
+        given back are dropped (they will not come back), and a result for a step not in flight
+        here is served without observing its time or reporting its plan."""
+        q = self._in_flight
+        for i, step in enumerate(q):
+            if step.out is out:
+                break
+        else:
+            logger.error("update_from_output for a step the ProServe scheduler did not schedule (%d steps in "
+                         "flight, the oldest step %s): its time is not observed and its plan not reported to "
+                         "the policy", len(q), q[0].step if q else None)
+            return None
+        for _ in range(i):
+            lost = q.popleft()
+            logger.error("step %d never came back to update_from_output: step %d, scheduled after it, came back "
+                         "first (vLLM's batch queue is first in, first out); dropping step %d from the online "
+                         "correction and the policy's notifications", lost.step, step.step, lost.step)
+        return q.popleft()
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        t_real_end = self.step_clock()
-        last, self._last = self._last, None
+        t_result = self.step_clock()      # the step's result is back: its execution ended
+        step = self._given_back(scheduler_output)
         # vLLM drops finished requests from self.requests in update_from_output: hold on
         # to them so that their last tokens are counted too
         stepped = {rid: self.requests.get(rid) for rid in scheduler_output.num_scheduled_tokens}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         now = self.wall_clock()
-        plan, self._plan = self._plan, None
+        plan = step.plan if step is not None else None
         prefilling = [(r, len(r.token_times)) for r, _ in plan.prefill] if plan is not None else ()
         # token timestamps (the deadlines of Eq. 3 count emitted tokens) and finished requests
         finished = []
@@ -344,23 +477,36 @@ class ProServeScheduler(Scheduler):
                 finished.append([rid, len(v.token_times)])
                 self._finished(self._views.pop(rid, None), now)
         for r, n in prefilling:                 # in plan order
-            if len(r.token_times) > n and r.id in self._views:
+            joined = self._joined.get(r.id)
+            if joined is not None:              # in the decoding order since a schedule() (async)
+                if joined == step.step:
+                    del self._joined[r.id]
+            elif len(r.token_times) > n and r.id in self._views:
                 self._order.prefilled(r.id)     # its first token: the prefill is done, it decodes
         if plan is not None:
             self.host.batch_done(plan, now)   # stateful policies (e.g. weighted_vtc) count here
-        if last is not None:
-            t_end, prefills, decodes, sched_s, admitted, scheduled = last
-            t_real = t_real_end - t_end
+        # the step ran from when it was scheduled or when the previous step's result came back,
+        # whichever is later, to now: T_real(N) = t_update(N) - max(t_sched_end(N), t_update(N-1)).
+        # Which is later follows from the order of events, not from comparing clock readings: the
+        # previous result came back later iff that step was still in flight when this one was
+        # scheduled. Synchronously it never is, and T_real is the time since the end of schedule().
+        t_prev = self._t_result
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._t_result = t_result
+        if step is not None and step.batch is not None:
+            prefills, decodes = step.batch
+            t_real = t_result - (t_prev if step.behind and t_prev is not None else step.t_end)
             t_model = self.estimator.model.batch_time(prefills, decodes)   # priced once (Eq. 5-7)
             est = self.estimator.corrected(t_model)      # what the step was expected to take
             beta = self.host.observe_run(t_real, t_model, now)   # the online correction (§4.1)
-            self.metrics.step(t_real, est, beta, sched_s)
+            self.metrics.step(t_real, est, beta, step.sched_s)
             if self._record is not None:
                 self._record.write(json.dumps({
-                    "step": self.steps, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
-                    "sched_s": sched_s, "est": est, "beta": beta,
-                    "waiting": vllm_shim.num_waiting(self), "admitted": admitted,
-                    "scheduled": scheduled, "finished": finished, "plan": self._plan_record}) + "\n")
+                    "step": step.step, "wall": now, "prefills": prefills, "decodes": decodes, "time": t_real,
+                    "sched_s": step.sched_s, "est": est, "beta": beta,
+                    "waiting": vllm_shim.num_waiting(self), "admitted": step.admitted,
+                    "scheduled": step.scheduled, "finished": finished, "in_flight": len(self._in_flight),
+                    "plan": step.plan_record}) + "\n")
         self._publish_queue()   # ... and as of its end
         return outputs
 
@@ -375,14 +521,13 @@ class ProServeScheduler(Scheduler):
         for q in vllm_shim.queues(self):
             for req in q:
                 rid = req.request_id
-                v = self._views.get(rid)
-                if v is None or req.status not in vllm_shim.SCHEDULABLE or rid in self._failing:
+                state = self._state(req)
+                if state is None:
                     continue
                 seen.add(rid)
-                done, n_out = req.num_computed_tokens, req.num_output_tokens
-                if n_out == 0 or req.num_tokens - done > 1:
+                v, total, done, decoding = state
+                if not decoding:
                     did, t_in = pub.identity(rid)
-                    total = req.num_tokens if n_out else req.num_prompt_tokens
                     entries.append((did, v.priority, v.weight, v.ttft_slo, v.tpot_slo, t_in,
                                     max(0, total - done), done, req.num_prompt_tokens))
                 else:
@@ -402,6 +547,16 @@ class ProServeScheduler(Scheduler):
             self._publisher.close()
             self._publisher = None
         super().shutdown()
+
+
+class ProServeAsyncScheduler(ProServeScheduler, vllm_shim.AsyncScheduler):
+    """The plugin under vLLM's async scheduling: ``ProServeScheduler`` over vLLM's
+    ``AsyncScheduler``, as vLLM's own ``DiffusionAsyncScheduler(DiffusionScheduler,
+    AsyncScheduler)`` (``vllm/v1/core/sched/diffusion_scheduler.py``) is built. In the method
+    order the plugin comes first and ``AsyncScheduler`` before ``Scheduler``, so the plugin's
+    ``super()`` calls reach ``AsyncScheduler``'s overrides (``_update_after_schedule`` adds the
+    output placeholders, ``_update_request_with_output`` takes them back). Users name
+    ``ProServeScheduler``; it becomes this class when ``async_scheduling`` is on."""
 
 
 # -- the step record's view: what the policy saw, enough to replay its decision ---------------------

@@ -26,6 +26,18 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
 * ``vllm.v1.request.RequestStatus`` (WAITING, RUNNING, PREEMPTED,
   FINISHED_ABORTED) and the request fields ``num_computed_tokens``,
   ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``.
+* Async scheduling (``vllm/v1/core/sched/async_scheduler.py``): the
+  ``AsyncScheduler`` class the plugin's async variant derives from (as vLLM's
+  own ``DiffusionAsyncScheduler(DiffusionScheduler, AsyncScheduler)`` does),
+  whose ``_update_after_schedule`` counts each scheduled request's sampled
+  tokens still in flight in the request field ``num_output_placeholders``; the
+  request fields ``max_tokens``, ``num_tokens_with_spec`` and
+  ``next_decode_eligible_step`` and ``Scheduler.current_step``, with which the
+  running loop of ``Scheduler.schedule()`` skips a request whose tokens in
+  flight already reach ``max_tokens`` (or that has nothing to compute until a
+  step in flight comes back, or, V2 model runner with pipeline parallelism,
+  whose decode cadence is not due): :func:`in_flight_tokens` and
+  :func:`skipped_next_step`.
 
 :func:`check` runs before the engine starts: a vLLM outside
 :data:`SUPPORTED` (the range tested, also pinned in ``pyproject.toml``) or
@@ -44,9 +56,11 @@ from collections.abc import Iterator
 
 import vllm
 from packaging.version import InvalidVersion, Version
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from proserve.scheduler.request import ConfigError
 
@@ -63,6 +77,11 @@ _QUEUE_METHODS = ("add_request", "remove_requests", "prepend_requests")
 _PREEMPT = "_preempt_request"
 _PREEMPT_PARAMS = ["self", "request", "timestamp"]
 _ERRORS = "grammar_compile_error_reqs"
+#: the hook where AsyncScheduler counts the tokens in flight (num_output_placeholders)
+_AFTER_SCHEDULE = "_update_after_schedule"
+#: request fields the plugin reads
+_REQUEST_FIELDS = ("num_computed_tokens", "num_tokens", "num_prompt_tokens", "num_output_tokens",
+                   "num_tokens_with_spec", "num_output_placeholders", "max_tokens", "next_decode_eligible_step")
 
 
 class UnsupportedVLLM(ConfigError):
@@ -100,14 +119,25 @@ def check(version: str | None = None, scheduler_cls: type = Scheduler) -> None:
     missing = [m for m in _QUEUE_METHODS if not callable(getattr(queue, m, None))]
     if missing:
         raise UnsupportedVLLM(f"vLLM {version}: its request queue lacks {', '.join(missing)}")
+    if not issubclass(AsyncScheduler, Scheduler) or not callable(AsyncScheduler.__dict__.get(_AFTER_SCHEDULE)):
+        raise UnsupportedVLLM(f"vLLM {version}: AsyncScheduler no longer counts the tokens in flight in its own "
+                              f"{_AFTER_SCHEDULE}; the ProServe scheduler's async variant relies on it")
+    try:
+        probe = Request("proserve-shim-probe", [0], SamplingParams(max_tokens=1), None)
+    except Exception as e:   # noqa: BLE001 - any failure means the request model changed
+        raise UnsupportedVLLM(f"vLLM {version}: cannot build a vLLM Request to check its fields ({e!r})") from None
+    missing = [f for f in _REQUEST_FIELDS if not isinstance(getattr(probe, f, None), int)]
+    if missing:
+        raise UnsupportedVLLM(f"vLLM {version}: vLLM's Request lacks {', '.join(missing)}; the ProServe "
+                              f"scheduler reads them to show a policy each request's state")
 
 
 def check_instance(sched: Scheduler) -> None:
     """The touch points that exist only once a scheduler is built."""
-    for name in ("waiting", "kv_holding_waiting", "running", "requests"):
+    for name in ("waiting", "kv_holding_waiting", "running", "requests", "current_step"):
         if not hasattr(sched, name):
             raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{name} is missing; the ProServe "
-                                  f"scheduler reads and reorders vLLM's queues")
+                                  f"scheduler reads vLLM's queues and step count through it")
     if not isinstance(getattr(sched, _ERRORS, None), set):
         raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{_ERRORS} is missing; the ProServe "
                               f"scheduler fails requests that can never fit the KV cache through it")
@@ -128,6 +158,41 @@ def holds_no_kv(sched: Scheduler) -> bool:
     to a decode instance (the block pool keeps one block back, its null block)."""
     pool = sched.kv_cache_manager.block_pool
     return pool.get_num_free_blocks() >= pool.num_gpu_blocks - 1
+
+
+def async_scheduling(vllm_config) -> bool:
+    """Whether vLLM runs this engine with async scheduling (``SchedulerConfig.async_scheduling``,
+    resolved by ``VllmConfig.__post_init__``: on by default on CUDA, forced off by the CPU
+    platform's ``check_and_update_config``)."""
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+
+
+def in_flight_tokens(req) -> int:
+    """Tokens ``req`` will sample in steps scheduled and not yet given back to
+    ``update_from_output`` (``AsyncScheduler._update_after_schedule`` counts them in
+    ``num_output_placeholders``; ``num_computed_tokens`` already includes their inputs).
+    Always 0 under synchronous scheduling."""
+    return req.num_output_placeholders
+
+
+def skipped_next_step(sched: Scheduler, req) -> bool:
+    """vLLM's running loop (``Scheduler.schedule()``, ``vllm/v1/core/sched/scheduler.py``)
+    will skip the running request ``req`` in the next step whatever it is offered, by vLLM's
+    own conditions: its tokens in flight already reach ``max_tokens`` (async scheduling: e.g.
+    a prefill-only request with ``max_tokens=1`` whose first token is in flight); it has no
+    token to compute until a step in flight comes back (pipeline parallelism without async
+    scheduling: ``num_new_tokens`` is 0); or, V2 model runner with pipeline parallelism, its
+    next decode is not due yet (``schedule()`` increments ``current_step`` before the loop:
+    hence the ``+ 1``). Never true when one step at a time is in flight and scheduled
+    synchronously: then every running request has a token to compute."""
+    if req.status != RequestStatus.RUNNING:
+        return False
+    p = req.num_output_placeholders
+    if p > 0 and req.num_computed_tokens + 2 - p >= req.num_prompt_tokens + req.max_tokens:
+        return True
+    if req.num_tokens_with_spec + p - req.num_computed_tokens <= 0:
+        return True
+    return sched.current_step + 1 < req.next_decode_eligible_step
 
 
 def num_waiting(sched: Scheduler) -> int:

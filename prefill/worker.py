@@ -384,8 +384,9 @@ def vllm_argv(role: str, args) -> tuple[list[str], dict]:
             from .kv_events import CONFIG_KEY, VLLM_KV_EVENTS_CONFIG
             additional[CONFIG_KEY] = events
             argv += ["--kv-events-config", json.dumps(VLLM_KV_EVENTS_CONFIG)]
-        argv += ["--scheduler-cls", PLUGIN, "--no-async-scheduling",
-                 "--additional-config", json.dumps(additional)]
+        # vLLM's own async-scheduling default holds (on for CUDA, off on the CPU platform): the
+        # plugin runs under AsyncScheduler and its batch queue (prefill.engine_scheduler)
+        argv += ["--scheduler-cls", PLUGIN, "--additional-config", json.dumps(additional)]
         # the API server rejects bad per-request parameters with this (HTTP 400)
         argv += ["--logits-processors", VALIDATOR]
         env[params.CLASSES_ENV] = params.classes_to_env(classes)

@@ -118,6 +118,12 @@ class Runner:
                       block_size=settings.block_size, enforce_eager=settings.enforce_eager,
                       max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
                       enable_prefix_caching=True, seed=settings.seed,
+                      # one batch at a time: a profiled step's time must be that batch's alone. Under
+                      # async scheduling (vLLM's default on CUDA) the engine schedules the next step
+                      # while this one runs, and the plugin measures overlapped steps (from the
+                      # previous step's result, see prefill/engine_scheduler.py): not the isolated
+                      # batch time Eq. 5-7 are fitted to
+                      async_scheduling=False,
                       scheduler_cls="proserve.prefill.engine_scheduler.ProServeScheduler",
                       additional_config={"proserve": {
                           "local_policy": "stock", "record_steps": str(record_path),

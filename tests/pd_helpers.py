@@ -101,10 +101,16 @@ def pd_generate(prefill: Worker, decode: Worker, model: str, prompt: list[int], 
     return out["choices"][0]["token_ids"], params
 
 
-def vllm_scheduler(proserve: dict, blocks: int, block_size: int = 16):
+def vllm_scheduler(proserve: dict, blocks: int, block_size: int = 16, async_scheduling: bool = False,
+                   cls=None):
     """ProServe's scheduler plugin on a real vLLM scheduler over the embedded tiny model (no
     engine, no weights: the tests drive ``schedule()`` and ``update_from_output()`` themselves),
-    with ``blocks`` KV blocks and ``additional_config = {"proserve": proserve}``."""
+    with ``blocks`` KV blocks and ``additional_config = {"proserve": proserve}``.
+
+    ``async_scheduling``: build it as under vLLM's async scheduling (the plugin then is its
+    ``AsyncScheduler`` variant). vLLM's CPU platform turns the setting off while the config is
+    built (``CpuPlatform.check_and_update_config``), so it is set on the built config. ``cls``: the
+    class to build (default ``ProServeScheduler``), as vLLM builds its ``scheduler_cls``."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -120,6 +126,7 @@ def vllm_scheduler(proserve: dict, blocks: int, block_size: int = 16):
                                 is_encoder_decoder=False, async_scheduling=False)
     vc = VllmConfig(model_config=model_config, cache_config=cache, scheduler_config=sched_cfg,
                     additional_config={"proserve": proserve})
+    vc.scheduler_config.async_scheduling = async_scheduling
     kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))])
-    return ProServeScheduler(vc, kv, StructuredOutputManager(vc), block_size=block_size)
+    return (cls or ProServeScheduler)(vc, kv, StructuredOutputManager(vc), block_size=block_size)

@@ -53,3 +53,66 @@ def test_a_scheduler_without_the_queues_is_refused():
 
     with pytest.raises(vllm_shim.UnsupportedVLLM, match="kv_holding_waiting is missing"):
         vllm_shim.check_instance(Bare())
+
+
+def test_the_async_touch_points_are_checked(monkeypatch):
+    """The async variant's touch points: AsyncScheduler counting the tokens in flight in its own
+    _update_after_schedule, and the request fields the view reads."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class NoPlaceholders(Scheduler):
+        pass
+
+    monkeypatch.setattr(vllm_shim, "AsyncScheduler", NoPlaceholders)
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="AsyncScheduler no longer counts the tokens in flight"):
+        vllm_shim.check()
+    monkeypatch.undo()
+
+    real = vllm_shim.Request
+
+    def without_placeholders(*args, **kwargs):
+        req = real(*args, **kwargs)
+        del req.num_output_placeholders
+        return req
+
+    monkeypatch.setattr(vllm_shim, "Request", without_placeholders)
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="Request lacks num_output_placeholders"):
+        vllm_shim.check()
+
+
+def test_a_scheduler_without_a_step_count_is_refused():
+    class NoStep:
+        waiting = running = requests = kv_holding_waiting = ()
+
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="current_step is missing"):
+        vllm_shim.check_instance(NoStep())
+
+
+def _request(status="RUNNING", prompt=100, computed=100, outputs=0, placeholders=0, max_tokens=4, due=0):
+    from types import SimpleNamespace
+    return SimpleNamespace(status=getattr(vllm_shim.RequestStatus, status), num_prompt_tokens=prompt,
+                           num_computed_tokens=computed, num_tokens_with_spec=prompt + outputs,
+                           num_output_placeholders=placeholders, max_tokens=max_tokens,
+                           next_decode_eligible_step=due)
+
+
+def test_skipped_next_step_is_vllms_condition():
+    from types import SimpleNamespace
+    sched = SimpleNamespace(current_step=10)
+    skipped = vllm_shim.skipped_next_step
+    # synchronous: a running request always has a token to compute, and is never skipped
+    assert not skipped(sched, _request(computed=60))                       # a partial prefill
+    assert not skipped(sched, _request(computed=102, outputs=3))           # decoding
+    # async: a prefill-only request's only token is in flight
+    assert skipped(sched, _request(max_tokens=1, placeholders=1))
+    # its first token in flight, more to come: decoded next
+    assert not skipped(sched, _request(max_tokens=4, placeholders=1))
+    # the last token in flight: vLLM stops
+    assert skipped(sched, _request(computed=103, outputs=3, placeholders=1, max_tokens=4))
+    # a step in flight without placeholders (pipeline parallelism, synchronous): nothing to compute
+    assert skipped(sched, _request(computed=100))
+    # V2 model runner with pipeline parallelism: its decode is not due in the coming step (11)
+    assert skipped(sched, _request(computed=102, outputs=3, due=12))
+    assert not skipped(sched, _request(computed=102, outputs=3, due=11))
+    # only the running loop skips
+    assert not skipped(sched, _request("WAITING", computed=100))
