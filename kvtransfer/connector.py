@@ -142,6 +142,8 @@ MIB = 1 << 20
 #: failed (pusher.FAILED_KEPT), so an id still remembered as failed can never start a new
 #: transfer whose layers would be skipped
 USED_XFERS_KEPT = 4 * FAILED_KEPT
+#: worker side: what a step that computes nothing may wait for the connector's threads (s)
+IDLE_WAIT_S = 0.005
 
 
 class TransferParamsError(ValueError):
@@ -249,6 +251,7 @@ class ProServeConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     discards: list[str] = field(default_factory=list)  # consumer: transfers no request will load
     aborts: list[tuple[str, str]] = field(default_factory=list)  # producer: (xfer, dest) that will not finish
+    idle: bool = False     # the step computes nothing (the engine steps only to move KV)
 
 
 # -- metadata passed back from the worker to the scheduler side --------------------------
@@ -404,7 +407,8 @@ class ProServeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = ProServeConnectorMetadata(finishes=self._pending_finish, loads=self._pending_load,
-                                         discards=self._pending_discard, aborts=self._pending_abort)
+                                         discards=self._pending_discard, aborts=self._pending_abort,
+                                         idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_finish, self._pending_load, self._pending_discard, self._pending_abort = [], [], [], []
         if not self.is_producer:
             return meta
@@ -638,6 +642,7 @@ class ProServeConnector(KVConnectorBase_V1):
         return (r.finished_sending or None), (r.finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._let_threads_run()
         if self._pusher is not None:
             for xfer, (dest, err) in self._pusher.failures().items():
                 self._meta_failed[xfer] = (dest, self._ranked(err))
@@ -662,6 +667,24 @@ class ProServeConnector(KVConnectorBase_V1):
                 recving.add(req_id)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
+
+    def _let_threads_run(self) -> None:
+        """A step that computes nothing (the engine keeps stepping only because KV is
+        being pushed or awaited) blocks here, the interpreter released, until the
+        connector's threads have made progress, at most IDLE_WAIT_S. Without it the
+        worker's loop -- this step, then vLLM's busy wait for the next one, which
+        releases and retakes the interpreter around every sched_yield -- can starve
+        the receiver, pusher and loader threads of it for many seconds on a loaded
+        host. A step with work does not wait: its kernels release the interpreter."""
+        meta = self._connector_metadata
+        if not isinstance(meta, ProServeConnectorMetadata) or not meta.idle:
+            return
+        if self._pusher is not None and self._pusher.busy():
+            self._pusher.wait_progress(IDLE_WAIT_S)
+        elif self._loading and self._loader is not None:
+            self._loader.wait_any(IDLE_WAIT_S)
+        elif self._loads and self._receiver is not None:
+            self._receiver.wait_any([ld.xfer for ld, _ in self._loads.values()], IDLE_WAIT_S)
 
     def _check_arrivals(self, recving: set[str], failed: set[str]) -> None:
         """Hand the transfers that arrived whole to the loader; fail those that failed on

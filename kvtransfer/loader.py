@@ -86,6 +86,12 @@ class KVLoader:
             out, self._done = self._done, {}
         return out
 
+    def wait_any(self, timeout: float) -> None:
+        """Block (the interpreter released) until a load is done or ``timeout`` s passed."""
+        with self._cv:
+            if self._jobs or not self._done:
+                self._cv.wait(timeout)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -121,6 +127,7 @@ class KVLoader:
                 error, reason = f"inject failed: {type(e).__name__}: {e}", "inject_error"
             with self._cv:
                 self._done[req_id] = (error, reason, result.nbytes)
+                self._cv.notify_all()
 
 
 __all__ = ["KVLoader", "inject"]

@@ -225,6 +225,19 @@ class KVPusher:
     def abort(self, xfer: str, addr: str, reason: str) -> None:
         self._put(("abort", xfer, addr, reason))
 
+    def busy(self) -> bool:
+        """Commands queued, or transfers waiting for their ack."""
+        with self._cv:
+            return bool(self._cmds or self._finishing)
+
+    def wait_progress(self, timeout: float) -> None:
+        """Block (the interpreter released) until the sender thread has done something
+        or ``timeout`` s passed: how an engine step with nothing to compute lets the
+        thread run instead of spinning for the interpreter."""
+        with self._cv:
+            if self._cmds or self._finishing:
+                self._cv.wait(timeout)
+
     def failures(self) -> dict[str, tuple[str, str]]:
         """Transfers that failed since the last call: xfer -> (destination, error)."""
         with self._cv:
@@ -346,6 +359,7 @@ class KVPusher:
     def _outcome(self, xfer: str, error: str | None) -> None:
         with self._cv:
             self._outcomes[xfer] = error
+            self._cv.notify_all()
 
     def _collect_acks(self) -> None:
         for addr in {a for a in self._finishing.values()}:

@@ -467,6 +467,18 @@ class KVReceiver:
         with self._cond:
             return self._pop_result(xfer_id) if xfer_id in self._results else None
 
+    def wait_any(self, xfer_ids, timeout: float) -> bool:
+        """Block (the interpreter released: the receiver thread runs meanwhile) until one
+        of ``xfer_ids`` has a final outcome, at most ``timeout`` s; True if one has."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(x in self._results for x in xfer_ids):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._cond.wait(left)
+            return True
+
     def completed(self) -> list[str]:
         """Transfer ids with a final outcome not yet collected by :meth:`wait`."""
         with self._cond:

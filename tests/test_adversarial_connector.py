@@ -155,7 +155,7 @@ def test_every_breaker_opening_reaches_the_scheduler_side():
     state = {"state": "closed", "open_until": 0.0, "last_error": None}
     told = []
     c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # producer worker side only
-    c.is_producer, c._meta_failed, c._dest_reported = True, {}, {}
+    c.is_producer, c._meta_failed, c._dest_reported, c.tp_size, c.tp_rank = True, {}, {}, 1, 0
     c._pusher = SimpleNamespace(destinations=lambda: {"tcp://d:1": dict(state)})
     c.metrics = SimpleNamespace(destination=lambda addr, ok: told.append(ok))
 
@@ -210,3 +210,33 @@ def test_the_ranks_worker_metadata_keeps_every_ranks_reason():
     assert m.failed["y"] == ("tcp://e:1", "rank 1: reset")
     assert m.dests["tcp://d:1"] == (4.0, "rank 0: refused; rank 1: no credit grant")
     assert r0.aggregate(M(failed={"x": ("tcp://d:1", "rank 1: no credit grant")})).failed["x"][1].count("rank 1") == 1
+
+
+def test_only_a_step_with_nothing_to_compute_waits_for_the_connectors_threads():
+    """An idle step (the engine steps only to move KV) blocks, the interpreter released,
+    until the pusher, loader or receiver made progress (at most IDLE_WAIT_S): otherwise
+    vLLM's busy wait between steps starves those threads of the interpreter. A step with
+    work never waits."""
+    from types import SimpleNamespace
+    calls = []
+    c = connector.ProServeConnector.__new__(connector.ProServeConnector)
+    c._pusher = SimpleNamespace(busy=lambda: True, wait_progress=lambda t: calls.append(("pusher", t)))
+    c._loader, c._loading, c._receiver, c._loads = None, {}, None, {}
+    c._connector_metadata = connector.ProServeConnectorMetadata(idle=False)
+    c._let_threads_run()
+    assert calls == []
+    c._connector_metadata = connector.ProServeConnectorMetadata(idle=True)
+    c._let_threads_run()
+    assert calls == [("pusher", connector.IDLE_WAIT_S)]
+    calls.clear()
+    c._pusher = None                                       # a consumer waiting for a transfer to arrive
+    ld = connector.LoadSpec("r", "x1", [0], 0, "ab")
+    c._loads = {"r": (ld, 0.0)}
+    c._receiver = SimpleNamespace(wait_any=lambda xs, t: calls.append(("receiver", xs, t)))
+    c._let_threads_run()
+    assert calls == [("receiver", ["x1"], connector.IDLE_WAIT_S)]
+    calls.clear()
+    c._loading = {"r": ld}                                  # ... or for its load to be written
+    c._loader = SimpleNamespace(wait_any=lambda t: calls.append(("loader", t)))
+    c._let_threads_run()
+    assert calls == [("loader", connector.IDLE_WAIT_S)]

@@ -198,3 +198,21 @@ def test_the_sender_thread_survives_an_internal_error(closing, monkeypatch):
     assert _outcome(p, "good") is None
     assert np.array_equal(rx.wait("good", timeout=5).pieces[0, 0].tensor().float().numpy(),
                           c[1:2].float().numpy())
+
+
+def test_the_waits_an_idle_step_uses_return_on_progress(closing):
+    """receiver.wait_any returns True as soon as one of the ids is final (False at the
+    timeout); pusher.wait_progress returns when the sender thread reports an outcome."""
+    rx = KVReceiver()
+    closing(rx)
+    assert rx.wait_any(["nope"], 0.05) is False
+    p = _pusher()
+    closing(p)
+    p.save_layer(0, _cache(0), 0, [P.Save("w", rx.address, [0], 0)], 0)
+    p.finish("w", rx.address, "")
+    assert rx.wait_any(["other", "w"], 10.0) is True
+    deadline = time.monotonic() + 10
+    while p.busy():
+        assert time.monotonic() < deadline
+        p.wait_progress(0.5)
+    assert _outcome(p, "w") is None
