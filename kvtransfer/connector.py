@@ -279,6 +279,8 @@ class ProServeWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def _join(a: str, b: str, limit: int = 2000) -> str:
+    if not a:
+        return b[:limit]
     return a if not b or b in a else f"{a}; {b}"[:limit]
 
 
@@ -566,6 +568,9 @@ class ProServeConnector(KVConnectorBase_V1):
         kw = dict(curve=curve, allow_insecure=self.insecure,
                   heartbeat_path=rank_path(heartbeat, self.tp_rank) if heartbeat else None,
                   check_layout=check_sender(self.layout),
+                  # /kv/status shows the layout a sender must match, and the caps in force
+                  info={"layout": self.layout.encode(), "tp_rank": self.tp_rank,
+                        "caps_mib": {k: round(v, 1) for k, v in caps.items()}},
                   max_open_transfers=_extra(cfg, "max_open_transfers", 1024, int),
                   max_held_bytes=int(caps["max_held_mib"] * MIB),
                   max_peer_bytes=int(caps["max_peer_mib"] * MIB),
@@ -729,13 +734,19 @@ class ProServeConnector(KVConnectorBase_V1):
         now = time.monotonic()
         for addr, st in self._pusher.destinations().items():
             ok = st["state"] == "closed"
-            # told again when the breaker re-opens (a failed half-open probe): a new open_until
+            # told again when the breaker re-opens (a failed half-open probe): a new open_until.
+            # While it is open, told every step: vLLM merges only the ranks that report in a
+            # step, so a rank that recovers must never be the only voice about a destination
+            # another rank still refuses (aggregate keeps the longest cool-down)
             told = None if ok else st["open_until"]
-            if self._dest_reported.get(addr) != told:
+            still_open = not ok and st["open_until"] > now
+            changed = self._dest_reported.get(addr) != told
+            if changed or still_open:
                 self._dest_reported[addr] = told
                 meta.dests[addr] = (0.0 if ok else max(0.0, st["open_until"] - now),
                                     self._ranked(st.get("last_error") or ""))
-                self.metrics.destination(addr, ok)
+                if changed:
+                    self.metrics.destination(addr, ok)
         return meta if (meta.failed or meta.dests) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

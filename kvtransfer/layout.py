@@ -46,6 +46,8 @@ CAP_MARGIN = 1.05
 CAP_MARGIN_MIB = 64.0
 
 _TCP = re.compile(r"^(tcp://.+):(\d{1,5})$")
+#: a dtype name as torch prints it (the peer's string ends up in the refusal and in the logs)
+_DTYPE = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 
 def rank_address(address: str, rank: int) -> str:
@@ -88,6 +90,7 @@ class Layout:
             raise ValueError("a layout is a JSON object")
         ints = ("tp_size", "tp_rank", "block_size", "layers")
         if any(type(d.get(k)) is not int for k in ints) or not isinstance(d.get("dtype"), str) \
+                or not _DTYPE.fullmatch(d["dtype"]) \
                 or not isinstance(d.get("block_shape"), list) \
                 or not all(type(x) is int for x in d["block_shape"]):
             raise ValueError(f"a layout needs ints {', '.join(ints)}, a str dtype and a list block_shape")
@@ -152,6 +155,11 @@ def receiver_caps(per_token: float, max_model_len: int, given: Mapping[str, floa
     """``max_peer_mib`` and ``max_held_mib`` for a receiver of this rank: the values in
     ``given`` where set, else room for the longest prompt per peer and for ``peers``
     of them in all (never below the receiver's fixed defaults)."""
+    for key in ("max_peer_mib", "max_held_mib"):
+        v = given.get(key)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"kv_connector_extra_config.{key}: expected a positive number of MiB, got {v!r}")
+    peers = max(1, int(peers))
     longest_mib = per_token * max_model_len / (1 << 20)
     need = longest_mib * CAP_MARGIN + CAP_MARGIN_MIB   # one longest prompt, its bookkeeping included
     peer = given.get("max_peer_mib")

@@ -114,6 +114,11 @@ class KVLoader:
                 while not self._jobs and not self._closing:
                     self._cv.wait()
                 if self._closing:
+                    # what was still queued is reported (the requests recompute), never dropped
+                    for job in self._jobs:
+                        self._done[job[0]] = ("the KV loader is closed", "inject_error", 0)
+                    self._jobs.clear()
+                    self._cv.notify_all()
                     return
                 req_id, xfer, digest, block_ids, skip, result, after = self._jobs.popleft()
             error = reason = None

@@ -13,19 +13,22 @@ credit window is full. The pusher splits the work:
   pinned host memory run on a side stream that first waits on an event
   recorded on the forward stream after the layer, so the copy sees the
   layer's writes and the forward stream does not wait for it; an event
-  recorded after the copy tells the sender thread when the bytes are on the
+  recorded after the copy tells the sending thread when the bytes are on the
   host. On the CPU the gather is a plain copy.
-* **sender thread**: everything that touches the network, in the order the
-  forward thread asked for it: each layer (after its copy event), the end of
-  step pack flush, ``done``, aborts, and collecting the receivers' acks. It
-  alone blocks on flow-control credit.
+* **a lane per destination** (a thread, its queue, its sender): everything
+  that touches the network, in the order the forward thread asked for it:
+  each layer (after its copy event), the end of step pack flush, ``done``,
+  aborts, and collecting the receiver's acks. Only a lane blocks on
+  flow-control credit, and a destination that stalls holds up only its own
+  lane: transfers to the other decode workers go on.
 
 What the forward pass can still wait for, by design:
 
-* the staging bound: layers gathered but not yet handed to ZeroMQ may hold at
-  most ``max_staged_bytes``; beyond it :meth:`save_layer` waits for the sender
-  thread (at most the transfer timeout, then that transfer fails), so a slow
-  network slows the prefill instead of exhausting host memory;
+* the staging bound: layers gathered for a destination but not yet handed to
+  ZeroMQ may hold at most ``max_staged_bytes``; beyond it :meth:`save_layer`
+  waits for that destination's lane (at most the transfer timeout, then that
+  transfer fails), so a slow network slows the prefill instead of exhausting
+  host memory;
 * the previous step's copies, on the device only (not the host): before each
   forward pass, :meth:`order_forward_after_copies` makes the forward stream
   wait for the side stream, so a block freed after a failed or finished
@@ -50,9 +53,9 @@ log = logging.getLogger("proserve.kvtransfer")
 
 #: failed transfer ids remembered (their later layers and their 'done' are dropped)
 FAILED_KEPT = 4096
-#: KV destinations with a sender (sockets, breaker) at once
+#: KV destinations with a lane (a thread, sockets, a breaker) at once
 MAX_DESTINATIONS = 64
-#: how often the sender thread collects acks while transfers wait for theirs (s)
+#: how often a lane collects acks while transfers wait for theirs (s)
 ACK_POLL_S = 0.002
 IDLE_WAIT_S = 0.1
 #: how often, at most, the breaker states are copied for the forward thread while busy (s)
@@ -88,29 +91,48 @@ class Save:
         self.xfer, self.addr, self.block_ids, self.first_block = xfer, addr, block_ids, first_block
 
 
+class _Lane:
+    """One destination: its sender, the commands for it in order, the thread that runs
+    them, and the bytes staged for it. A destination that stalls holds up only its own
+    lane: the others keep sending."""
+
+    def __init__(self, addr: str, sender: KVSender, lock: threading.Lock):
+        self.addr = addr
+        self.sender = sender
+        self.cond = threading.Condition(lock)
+        self.cmds: collections.deque = collections.deque()   # guarded by the pusher's lock
+        self.staged = 0            # bytes queued here, not yet with ZeroMQ (the pusher's lock)
+        self.stop = False          # set under the lock: the thread ends once its commands ran
+        self.finishing: dict[str, None] = {}   # lane thread only: 'done' sent, ack awaited
+        self.state: dict | None = None         # breaker state, as the lane thread last saw it
+        self.looked = 0.0
+        self.thread: threading.Thread | None = None
+
+    def idle(self) -> bool:
+        """Nothing queued, nothing in flight (under the pusher's lock)."""
+        return not self.cmds and not self.finishing and not self.staged and not self.sender.pending()
+
+
 class KVPusher:
     def __init__(self, new_sender: Callable[[str], KVSender], *, timeout_s: float = 30.0,
                  max_staged_bytes: int = 512 << 20, on_sent: Callable[[int], None] | None = None,
                  on_failed: Callable[[str, BaseException], None] | None = None,
                  dump: Callable[[str, str, Any], None] | None = None, name: str = "kvpusher"):
+        """``max_staged_bytes``: per destination."""
         self._new_sender = new_sender
         self.timeout_s = float(timeout_s)
         self.max_staged_bytes = int(max_staged_bytes)
         self._on_sent = on_sent
         self._on_failed = on_failed
         self._dump = dump
-        self._cv = threading.Condition()
-        self._cmds: collections.deque = collections.deque()     # guarded by _cv
-        self._staged = 0                                        # bytes queued, not yet with ZeroMQ; _cv
-        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()   # _cv
-        self._new_failed: dict[str, tuple[str, str]] = {}       # _cv
-        self._outcomes: dict[str, str | None] = {}              # xfer -> error or None (acked); _cv
-        self._dests: dict[str, dict] = {}                       # addr -> breaker state snapshot; _cv
+        self.name = name
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)          # any lane did something
+        self._lanes: collections.OrderedDict[str, _Lane] = collections.OrderedDict()   # least recent first
+        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self._new_failed: dict[str, tuple[str, str]] = {}
+        self._outcomes: dict[str, str | None] = {}              # xfer -> error or None (acked)
         self._closing = False
-        # sender thread only
-        self._senders: collections.OrderedDict[str, KVSender] = collections.OrderedDict()
-        self._finishing: dict[str, str] = {}                    # xfer -> addr, 'done' sent, ack awaited
-        self._looked = 0.0                                      # when _dests was last refreshed
         # forward thread only (accelerator caches)
         self._device = None
         self._api = None
@@ -118,12 +140,10 @@ class KVPusher:
         self._last_copy = None
         self._index: tuple[int, Any] | None = None              # (step, device index tensor)
         self.stats = collections.Counter()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ forward thread
     def is_failed(self, xfer: str) -> bool:
-        with self._cv:
+        with self._lock:
             return xfer in self._failed
 
     def save_layer(self, layer: int, kv_layer, block_dim: int, saves: list[Save], step: int) -> None:
@@ -148,9 +168,9 @@ class KVPusher:
             piece = data[row:row + n]
             row += n
             nbytes = piece.numel() * piece.element_size()
-            if not self._reserve(nbytes, s):
-                continue
-            self._put(("layer", s.xfer, s.addr, layer, s.first_block, piece, event, step, nbytes))
+            lane = self._reserve(nbytes, s)
+            if lane is not None:
+                self._put(lane, ("layer", s.xfer, layer, s.first_block, piece, event, step, nbytes))
 
     def _copy_to_host(self, kv_layer, block_dim: int, ids: list[int], step: int):
         """Gather ``ids`` along ``block_dim`` and copy them to pinned host memory on the side
@@ -193,127 +213,209 @@ class KVPusher:
             self._api.current_stream(self._device).wait_event(self._last_copy)
             self._last_copy = None
 
-    def _reserve(self, nbytes: int, s: Save) -> bool:
-        """Room for ``nbytes`` more staged bytes (waits for the sender thread, at most the
-        transfer timeout); False when the transfer failed instead."""
+    def _reserve(self, nbytes: int, s: Save) -> _Lane | None:
+        """Room for ``nbytes`` more staged bytes on ``s``'s destination (waits for its lane,
+        at most the transfer timeout): the lane, or None when the transfer failed instead."""
         deadline = None
-        with self._cv:
-            while self._staged and self._staged + nbytes > self.max_staged_bytes:
+        why: BaseException | None = None
+        with self._lock:
+            lane = self._lane(s.addr)
+            if isinstance(lane, BaseException):
+                why, lane = lane, None
+            while lane is not None and lane.staged and lane.staged + nbytes > self.max_staged_bytes:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.timeout_s
                     self.stats["staging_waits"] += 1
-                if now >= deadline or s.xfer in self._failed or self._closing:
+                if now >= deadline or s.xfer in self._failed or self._closing or lane.stop:
+                    why = TransferTimeout(
+                        f"{lane.staged} bytes of KV staged for {s.addr}, limit {self.max_staged_bytes}: the "
+                        f"network to it does not keep up (waited {now - deadline + self.timeout_s:.1f} s)")
+                    lane = None
                     break
-                self._cv.wait(deadline - now)
-            else:
-                self._staged += nbytes
-                return True
-        self._fail(s.xfer, s.addr, TransferTimeout(
-            f"{self._staged} bytes of KV staged for sending, limit {self.max_staged_bytes}: the network "
-            f"does not keep up (waited {self.timeout_s:g} s)"))
-        return False
+                lane.cond.wait(deadline - now)
+            if lane is not None:
+                lane.staged += nbytes
+                return lane
+        if s.xfer not in self._failed:
+            self._fail(s.xfer, s.addr, why or TransferError("the KV pusher is closed"))
+        return None
 
     def flush(self, xfer: str, addr: str) -> None:
         """Send what is packed for ``xfer`` (small layers travel together) at the end of a step."""
-        self._put(("flush", xfer, addr))
+        self._put_addr(addr, ("flush", xfer))
 
     def finish(self, xfer: str, addr: str, digest: str) -> None:
         """Close ``xfer`` after its layers (``done``); its outcome comes from :meth:`outcomes`."""
-        self._put(("finish", xfer, addr, digest))
+        if not self._put_addr(addr, ("finish", xfer, digest)):
+            with self._lock:
+                failed = self._failed.get(xfer)
+                self._outcomes[xfer] = failed[1] if failed else "the KV pusher is closed"
+                self._progress.notify_all()
 
     def abort(self, xfer: str, addr: str, reason: str) -> None:
-        self._put(("abort", xfer, addr, reason))
+        self._put_addr(addr, ("abort", xfer, reason), create=False)
 
     def busy(self) -> bool:
         """Commands queued, or transfers waiting for their ack."""
-        with self._cv:
-            return bool(self._cmds or self._finishing)
+        with self._lock:
+            return any(lane.cmds or lane.finishing for lane in self._lanes.values())
 
     def wait_progress(self, timeout: float) -> None:
-        """Block (the interpreter released) until the sender thread has done something
-        or ``timeout`` s passed: how an engine step with nothing to compute lets the
-        thread run instead of spinning for the interpreter."""
-        with self._cv:
-            if self._cmds or self._finishing:
-                self._cv.wait(timeout)
+        """Block (the interpreter released) until a lane has done something or ``timeout``
+        s passed: how an engine step with nothing to compute lets the lanes run instead
+        of spinning for the interpreter."""
+        with self._lock:
+            if any(lane.cmds or lane.finishing for lane in self._lanes.values()):
+                self._progress.wait(timeout)
 
     def failures(self) -> dict[str, tuple[str, str]]:
         """Transfers that failed since the last call: xfer -> (destination, error)."""
-        with self._cv:
+        with self._lock:
             out, self._new_failed = self._new_failed, {}
         return out
 
     def outcomes(self) -> dict[str, str | None]:
         """Transfers closed with :meth:`finish` that are final since the last call:
         xfer -> None (acked: every byte is on the receiver) or the error."""
-        with self._cv:
+        with self._lock:
             out, self._outcomes = self._outcomes, {}
         return out
 
     def destinations(self) -> dict[str, dict]:
-        """Breaker state per destination (``KVSender.destinations``), as of the sender
-        thread's last look."""
-        with self._cv:
-            return dict(self._dests)
+        """Breaker state per destination (``KVSender.destinations``), as each lane last saw it."""
+        with self._lock:
+            return {a: dict(lane.state) for a, lane in self._lanes.items() if lane.state is not None}
 
     def close(self, timeout: float = 5.0) -> None:
-        with self._cv:
+        with self._lock:
             self._closing = True
-            self._cv.notify_all()
-        self._thread.join(timeout)
-        for s in list(self._senders.values()):
-            s.close()
+            lanes = list(self._lanes.values())
+            for lane in lanes:
+                lane.stop = True
+                lane.cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for lane in lanes:
+            if lane.thread is not None:
+                lane.thread.join(max(0.0, deadline - time.monotonic()))
+        for lane in lanes:
+            lane.sender.close()
 
-    def _put(self, cmd: tuple) -> None:
-        with self._cv:
-            self._cmds.append(cmd)
-            self._cv.notify_all()
+    # -- lanes (under the lock)
+    def _lane(self, addr: str, create: bool = True) -> _Lane | BaseException | None:
+        """``addr``'s lane, made (with its sender and thread) when new; at most
+        MAX_DESTINATIONS, closing the least recently used idle one to make room. A
+        TransferError when there is no room (or the pusher is closed)."""
+        lane = self._lanes.get(addr)
+        if lane is not None and not lane.stop:
+            self._lanes.move_to_end(addr)
+            return lane
+        if not create:
+            return None
+        if self._closing:
+            return TransferError("the KV pusher is closed")
+        live = [a for a, x in self._lanes.items() if not x.stop]
+        if len(live) >= MAX_DESTINATIONS:
+            # a request names its destination: bound the sockets, breakers and threads kept by
+            # retiring the least recently used lane with nothing in flight
+            idle = next((a for a in live if self._lanes[a].idle()), None)
+            if idle is None:
+                return TransferError(f"KV transfers to {MAX_DESTINATIONS} destinations are in flight; "
+                                     f"no room for another destination ({addr})")
+            old = self._lanes.pop(idle)
+            old.stop = True
+            old.cond.notify_all()
+        try:
+            sender = self._new_sender(addr)
+        except Exception as e:  # a bad address, no sockets left...
+            return e
+        lane = self._lanes[addr] = _Lane(addr, sender, self._lock)
+        lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"{self.name}-{len(self._lanes)}",
+                                       daemon=True)
+        lane.thread.start()
+        return lane
+
+    def _put(self, lane: _Lane, cmd: tuple) -> None:
+        with self._lock:
+            lane.cmds.append(cmd)
+            lane.cond.notify_all()
+
+    def _put_addr(self, addr: str, cmd: tuple, create: bool = True) -> bool:
+        """Queue ``cmd`` on ``addr``'s lane; False when there is none (closed, no room)."""
+        with self._lock:
+            lane = self._lane(addr, create)
+            if not isinstance(lane, _Lane):
+                return False
+            lane.cmds.append(cmd)
+            lane.cond.notify_all()
+            return True
 
     def _fail(self, xfer: str, addr: str, e: BaseException) -> None:
         err = f"{type(e).__name__}: {e}"
-        with self._cv:
+        with self._lock:
             if xfer in self._failed:
                 return
             self._failed[xfer] = (addr, err)
             while len(self._failed) > FAILED_KEPT:
                 self._failed.popitem(last=False)
             self._new_failed[xfer] = (addr, err)
+            self._progress.notify_all()
         self.stats["failed"] += 1
-        if self._on_failed is not None:
-            self._on_failed(addr, e)
+        self._put_addr(addr, ("abort", xfer, "sender failed"), create=False)
         log.error("KV transfer %s to %s failed: %s", xfer, addr, err)
-        self._put(("abort", xfer, addr, "sender failed"))
-
-    # ------------------------------------------------------------------ sender thread
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                if not self._cmds and not self._closing:
-                    self._cv.wait(ACK_POLL_S if self._finishing else IDLE_WAIT_S)
-                if self._closing and not self._cmds:
-                    return
-                cmd = self._cmds.popleft() if self._cmds else None
+        if self._on_failed is not None:
             try:
-                if cmd is not None:
-                    self._do(cmd)
-                if self._finishing:
-                    self._collect_acks()
-                now = time.monotonic()
-                if cmd is None or now - self._looked >= DEST_LOOK_S:
-                    self._looked = now
-                    self._snapshot_destinations()
-            except Exception:   # never let the thread die: the transfers would hang
-                log.exception("kvtransfer pusher: internal error on %s", cmd[0] if cmd else "poll")
-                if cmd is not None and cmd[0] in ("layer", "flush", "finish"):
-                    self._fail(cmd[1], cmd[2], TransferError("internal error in the KV pusher"))
-                    if cmd[0] == "finish":
-                        self._outcome(cmd[1], "internal error in the KV pusher")
+                self._on_failed(addr, e)
+            except Exception:   # a callback (metrics) takes down neither the transfer nor the forward pass
+                log.exception("kvtransfer pusher: on_failed callback raised")
 
-    def _do(self, cmd: tuple) -> None:
-        kind, xfer, addr = cmd[0], cmd[1], cmd[2]
+    def _outcome(self, xfer: str, error: str | None) -> None:
+        with self._lock:
+            self._outcomes[xfer] = error
+            self._progress.notify_all()
+
+    # ------------------------------------------------------------------ lane threads
+    def _run(self, lane: _Lane) -> None:
+        while True:
+            with self._lock:
+                if not lane.cmds and not lane.stop:
+                    lane.cond.wait(ACK_POLL_S if lane.finishing else IDLE_WAIT_S)
+                if lane.stop and not lane.cmds:
+                    break
+                cmd = lane.cmds.popleft() if lane.cmds else None
+            if cmd is not None:
+                try:
+                    self._do(lane, cmd)
+                except Exception:   # never let the thread die: the transfers would hang
+                    log.exception("kvtransfer pusher: internal error on %s for %s", cmd[0], lane.addr)
+                    if cmd[0] in ("layer", "flush", "finish"):
+                        self._fail(cmd[1], lane.addr, TransferError("internal error in the KV pusher"))
+                        if cmd[0] == "finish":
+                            lane.finishing.pop(cmd[1], None)
+                            self._outcome(cmd[1], "internal error in the KV pusher")
+            try:
+                if lane.finishing:
+                    self._collect_acks(lane)
+                now = time.monotonic()
+                if cmd is None or now - lane.looked >= DEST_LOOK_S:
+                    lane.looked = now
+                    st = lane.sender.destinations().get(lane.sender.address)
+                    with self._lock:
+                        lane.state = st
+            except Exception:   # (never blamed on the command above: it did not raise)
+                log.exception("kvtransfer pusher: internal error while collecting acks from %s", lane.addr)
+        # retired or closed: what still waits for an ack will never hear of it from here
+        for xfer in list(lane.finishing):
+            self._outcome(xfer, f"the KV pusher stopped sending to {lane.addr}")
+        lane.finishing.clear()
+        if not self._closing:
+            lane.sender.close()
+
+    def _do(self, lane: _Lane, cmd: tuple) -> None:
+        kind, xfer = cmd[0], cmd[1]
+        addr = lane.addr
         if kind == "layer":
-            _, _, _, layer, first, data, event, step, nbytes = cmd
+            _, _, layer, first, data, event, step, nbytes = cmd
             try:
                 if self.is_failed(xfer):
                     return
@@ -321,84 +423,54 @@ class KVPusher:
                     event.synchronize()                 # the bytes are on the host now
                 if self._dump is not None:
                     self._dump(xfer, f"sent_l{layer}_b{first}_n{data.shape[0]}", data)
-                self._sender(addr).send_layer(xfer, layer, list(range(first, first + data.shape[0])), data,
-                                              step=step)
+                lane.sender.send_layer(xfer, layer, list(range(first, first + data.shape[0])), data, step=step)
                 if self._on_sent is not None:
                     self._on_sent(nbytes)
             except Exception as e:  # a dead peer must not take the engine down
                 self._fail(xfer, addr, e)
             finally:
-                with self._cv:
-                    self._staged -= nbytes
-                    self._cv.notify_all()
+                with self._lock:
+                    lane.staged -= nbytes
+                    lane.cond.notify_all()
+                    self._progress.notify_all()
         elif kind == "flush":
-            if not self.is_failed(xfer) and addr in self._senders:
+            if not self.is_failed(xfer):
                 try:
-                    self._senders[addr].flush(xfer)
+                    lane.sender.flush(xfer)
                 except Exception as e:  # noqa: BLE001
                     self._fail(xfer, addr, e)
         elif kind == "finish":
-            digest = cmd[3]
-            with self._cv:
+            with self._lock:
                 failed = self._failed.get(xfer)
             if failed is not None:
                 self._outcome(xfer, failed[1])
                 return
             try:
-                self._sender(addr).finish_async(xfer, timeout=self.timeout_s, digest=digest)
-                self._finishing[xfer] = addr
+                lane.sender.finish_async(xfer, timeout=self.timeout_s, digest=cmd[2])
+                lane.finishing[xfer] = None
             except Exception as e:
                 self._fail(xfer, addr, e)
                 self._outcome(xfer, f"{type(e).__name__}: {e}")
         else:  # abort
-            self._finishing.pop(xfer, None)
-            s = self._senders.get(addr)
-            if s is not None:
-                s.abort(xfer, cmd[3])
+            if lane.finishing.pop(xfer, "absent") is None:
+                self._outcome(xfer, f"aborted: {cmd[2]}")   # whoever called finish() is told
+            lane.sender.abort(xfer, cmd[2])
 
-    def _outcome(self, xfer: str, error: str | None) -> None:
-        with self._cv:
-            self._outcomes[xfer] = error
-            self._cv.notify_all()
-
-    def _collect_acks(self) -> None:
-        for addr in {a for a in self._finishing.values()}:
-            s = self._senders.get(addr)
-            if s is None:
+    def _collect_acks(self, lane: _Lane) -> None:
+        try:
+            done = lane.sender.poll_finished()
+        except Exception as e:
+            log.exception("kvtransfer pusher: collecting acks from %s failed", lane.addr)
+            done = {x: TransferError(f"collecting the ack failed: {type(e).__name__}: {e}") for x in lane.finishing}
+        for xfer, outcome in done.items():
+            if xfer not in lane.finishing:
                 continue
-            for xfer, outcome in s.poll_finished().items():
-                if self._finishing.pop(xfer, None) is None:
-                    continue
-                if isinstance(outcome, SendResult):
-                    self._outcome(xfer, None)
-                else:
-                    self._fail(xfer, addr, outcome)
-                    self._outcome(xfer, f"{type(outcome).__name__}: {outcome}")
-
-    def _snapshot_destinations(self) -> None:
-        states = {}
-        for addr, s in self._senders.items():
-            st = s.destinations().get(addr)
-            if st is not None:
-                states[addr] = st
-        with self._cv:
-            self._dests = states
-
-    def _sender(self, addr: str) -> KVSender:
-        s = self._senders.get(addr)
-        if s is not None:
-            self._senders.move_to_end(addr)
-            return s
-        if len(self._senders) >= MAX_DESTINATIONS:
-            # a request names its destination: bound the sockets (and breakers) kept open by
-            # closing the least recently used one with nothing in flight
-            idle = next((a for a, x in self._senders.items() if not x.pending()), None)
-            if idle is None:
-                raise TransferError(f"KV transfers to {MAX_DESTINATIONS} destinations are in flight; "
-                                    f"no room for another destination ({addr})")
-            self._senders.pop(idle).close()
-        s = self._senders[addr] = self._new_sender(addr)
-        return s
+            del lane.finishing[xfer]
+            if isinstance(outcome, SendResult):
+                self._outcome(xfer, None)
+            else:
+                self._fail(xfer, lane.addr, outcome)
+                self._outcome(xfer, f"{type(outcome).__name__}: {outcome}")
 
 
 __all__ = ["DestinationUnavailable", "KVPusher", "MAX_DESTINATIONS", "Save", "device_api"]

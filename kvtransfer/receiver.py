@@ -293,7 +293,7 @@ class KVReceiver:
     dropped). :attr:`alive` tells whether it runs, :attr:`heartbeat` when it
     last went round its loop (``time.monotonic()``; at least every 100 ms);
     with ``heartbeat_path`` it also writes ``{"time", "pid", "address",
-    "name", "closed", "stopped", "stats"}`` as JSON to that file about once a
+    "name", "closed", "stopped", "stats"}`` (and the entries of ``info``) as JSON to that file about once a
     second (atomically), for a health check in another process. A receiver
     that can no longer receive says so in the file at once rather than by
     falling silent: ``closed`` after :meth:`close`, ``stopped`` (the reason)
@@ -311,7 +311,7 @@ class KVReceiver:
                  stale_after_s: float = DEFAULT_STALE_AFTER_S, result_ttl_s: float = DEFAULT_RESULT_TTL_S,
                  curve: ServerKeys | None = None, allow_insecure: bool = False,
                  heartbeat_path: str | os.PathLike | None = None,
-                 check_layout: Callable[[str], str | None] | None = None,
+                 check_layout: Callable[[str], str | None] | None = None, info: dict | None = None,
                  ctx: zmq.Context | None = None, name: str | None = None):
         W = "KVReceiver"
         validate.integer(W, "credit_bytes", credit_bytes, MIN_CREDIT_BYTES)   # senders refuse smaller grants
@@ -348,6 +348,7 @@ class KVReceiver:
         self.curve = curve is not None
         self._on_chunk = on_chunk
         self._check_layout = check_layout
+        self._info = dict(info or {})   # shown in the heartbeat file (e.g. the layout senders must match)
         self._refused = 0
         # the optional keywords on_chunk takes (offset, layer_shape, step)
         self._chunk_kwargs = tuple(k for k in ("offset", "layer_shape", "step")
@@ -1006,7 +1007,7 @@ class KVReceiver:
         if path is None:
             return
         data = {"time": time.time(), "pid": os.getpid(), "address": self.address, "name": self.name,
-                "closed": closed, "stopped": stopped, "stats": self.stats.snapshot()}
+                "closed": closed, "stopped": stopped, "stats": self.stats.snapshot(), **self._info}
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:

@@ -8,7 +8,7 @@ Every message is a multipart ZeroMQ message::
 Nothing is ever pickled: the header is plain msgpack (str/int/bool/list/map only),
 the payload the C-contiguous, little-endian bytes of the message's parts.
 
-Header fields common to every kind: ``v`` (int, must be 2; a peer speaking
+Header fields common to every kind: ``v`` (int, must be 3; a peer speaking
 another version is refused with ``bad_version``) and ``kind`` (str).
 A transfer id (``xfer``) is always a non-empty str of at most
 :data:`MAX_XFER_LEN` characters (any other value makes the whole message

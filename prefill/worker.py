@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -447,18 +448,31 @@ def check_kv_listen_ranks(listen: str, tp: int) -> None:
                              f"{port}..{int(port) + tp - 1}, past 65535")
 
 
+#: most device indices / CPU cores one --devices list may name (and the largest index + 1)
+MAX_DEVICE_IDS = 4096
+_ID_PART = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
+
+
 def parse_ids(text: str, flag: str) -> list[int]:
-    """'0,1' or '0-3,6' -> [0, 1] / [0, 1, 2, 3, 6]: distinct non-negative integers, in order."""
+    """'0,1' or '0-3,6' -> [0, 1] / [0, 1, 2, 3, 6]: distinct non-negative integers, in order
+    (ASCII digits only, each below MAX_DEVICE_IDS: a typo such as 0-99999999 is refused at
+    once instead of building a list of a hundred million ids)."""
     ids: list[int] = []
+    seen: set[int] = set()
+    bad = SystemExit(f"error: {flag} {text}: expected comma-separated device indices below {MAX_DEVICE_IDS}, "
+                     f"e.g. 0,1 (ranges a-b allowed)")
     for part in text.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
-            raise SystemExit(f"error: {flag} {text}: expected comma-separated device indices, e.g. 0,1 "
-                             f"(ranges a-b allowed)")
-        ids.extend(range(int(lo), int(hi if dash else lo) + 1))
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-        raise SystemExit(f"error: {flag} {text}: {', '.join(map(str, dup))} given twice")
+        m = _ID_PART.fullmatch(part.strip())
+        if m is None:
+            raise bad
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo or hi >= MAX_DEVICE_IDS:
+            raise bad
+        for i in range(lo, hi + 1):
+            if i in seen:
+                raise SystemExit(f"error: {flag} {text}: {i} given twice")
+            seen.add(i)
+            ids.append(i)
     return ids
 
 

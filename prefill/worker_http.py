@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import stat
@@ -49,6 +50,8 @@ from proserve.kvtransfer.layout import rank_path
 
 HEARTBEAT_ENV = "PROSERVE_KV_HEARTBEAT"
 RANKS_ENV = "PROSERVE_KV_RANKS"
+#: most tensor-parallel ranks a worker's /health looks after
+MAX_RANKS = 1024
 HEARTBEAT_MAX_AGE_ENV = "PROSERVE_KV_HEARTBEAT_MAX_AGE"
 OPEN_PATHS = ("/health", "/metrics")
 #: what vLLM's own AuthenticationMiddleware already guards
@@ -108,12 +111,21 @@ class WorkerGuard:
     def __init__(self, app) -> None:
         self.app = app
         self.heartbeat = os.environ.get(HEARTBEAT_ENV) or None
-        try:
-            ranks = max(1, int(os.environ.get(RANKS_ENV) or 1))
-        except ValueError:
+        raw = (os.environ.get(RANKS_ENV) or "1").strip()
+        # the launcher sets it; anything else is a misconfiguration /health reports (fail closed)
+        self.misconfigured = None
+        ranks = int(raw) if raw.isascii() and raw.isdigit() else 0
+        if not 1 <= ranks <= MAX_RANKS:
+            self.misconfigured = f"{RANKS_ENV}={raw[:40]!r} is not a rank count in 1..{MAX_RANKS}"
             ranks = 1
         self.heartbeats = [rank_path(self.heartbeat, r) for r in range(ranks)] if self.heartbeat else []
-        self.max_age = float(os.environ.get(HEARTBEAT_MAX_AGE_ENV) or DEFAULT_HEARTBEAT_MAX_AGE_S)
+        try:
+            self.max_age = float(os.environ.get(HEARTBEAT_MAX_AGE_ENV) or DEFAULT_HEARTBEAT_MAX_AGE_S)
+        except ValueError:
+            self.max_age = float("nan")
+        if not (math.isfinite(self.max_age) and self.max_age > 0):
+            self.misconfigured = f"{HEARTBEAT_MAX_AGE_ENV} is not a positive number of seconds"
+            self.max_age = DEFAULT_HEARTBEAT_MAX_AGE_S
         key = os.environ.get("VLLM_API_KEY") or ""
         self._key = hashlib.sha256(key.encode()).digest() if key else None
 
@@ -146,6 +158,8 @@ class WorkerGuard:
 
     def _receivers_problem(self) -> str | None:
         """The first rank whose receiver counts as dead, and why (None: all alive)."""
+        if self.misconfigured and self.heartbeats:
+            return f"worker misconfigured: {self.misconfigured}"
         for r, hb in enumerate(self.heartbeats):
             why = receiver_problem(hb, self.max_age)
             if why is not None:

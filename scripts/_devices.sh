@@ -35,7 +35,7 @@ dev_expand() {
   [[ -n $1 && $1 != *, && $1 != ,* ]] || return 1
   IFS=, read -ra parts <<< "$1"
   for part in "${parts[@]}"; do
-    [[ $part =~ ^([0-9]+)(-([0-9]+))?$ ]] || return 1
+    [[ $part =~ ^([0-9]{1,4})(-([0-9]{1,4}))?$ ]] || return 1   # ids below 10000: no wrap, no endless range
     a=$((10#${BASH_REMATCH[1]})); b=$((10#${BASH_REMATCH[3]:-$a}))
     ((b >= a)) || return 1
     for ((c = a; c <= b; c++)); do

@@ -32,10 +32,10 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 extra=("$@")
-[[ $n =~ ^[1-9][0-9]*$ ]] || { echo "error: -n must be a positive integer, got '$n'" >&2; exit 2; }
-[[ $tp =~ ^[1-9][0-9]*$ ]] || { echo "error: --tensor-parallel-size must be a positive integer, got '$tp'" >&2; exit 2; }
+[[ $n =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: -n must be a positive integer, got '$n'" >&2; exit 2; }
+[[ $tp =~ ^[1-9][0-9]{0,3}$ ]] || { echo "error: --tensor-parallel-size must be a positive integer, got '$tp'" >&2; exit 2; }
 for v in base kvbase; do
-  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "error: port base must be a positive integer, got '${!v}'" >&2; exit 2; }
+  [[ ${!v} =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: port base must be a positive integer, got '${!v}'" >&2; exit 2; }
 done
 ((base + n - 1 <= 65535)) || { echo "error: ports $base..$((base + n - 1)) go past 65535" >&2; exit 2; }
 [[ $wait_s =~ ^[0-9]+$ ]] || { echo "error: --wait must be a whole number of seconds, got '$wait_s'" >&2; exit 2; }

@@ -53,33 +53,35 @@ while [[ $# -gt 0 ]]; do
     --secrets) secrets=$2; shift 2 ;;
     --no-secrets) use_secrets=0; shift ;;
     --kv-plain) kv_curve=0; shift ;;
-    --tensor-parallel-size|--tp) tp=$2; shift 2 ;;
-    --devices) devices=$2; shift 2 ;;
+    --tensor-parallel-size|--tp) [[ $# -ge 2 ]] || { echo "error: $1 needs a value (see --help)" >&2; exit 2; }; tp=$2; shift 2 ;;
+    --devices) [[ $# -ge 2 ]] || { echo "error: $1 needs a value (see --help)" >&2; exit 2; }; devices=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
     --) shift; break ;;
     -h|--help) sed -n '2,/^[^#]/p' "$0" | sed -e '/^[^#]/d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+# at most 5 digits: bash arithmetic wraps past 2^63 (a huge -P or --tp would turn negative and pass)
 for v in P port timeout pbase dbase kvbase; do
-  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "error: $v must be a positive integer, got '${!v}'" >&2; exit 2; }
+  [[ ${!v} =~ ^[1-9][0-9]{0,4}$ ]] || { echo "error: $v must be a positive integer, got '${!v}'" >&2; exit 2; }
 done
-[[ $tp =~ ^[1-9][0-9]*$ ]] || { echo "error: --tensor-parallel-size must be a positive integer, got '$tp'" >&2; exit 2; }
-[[ $D =~ ^[0-9]+$ ]] || { echo "error: -D must be a non-negative integer, got '$D'" >&2; exit 2; }
+[[ $tp =~ ^[1-9][0-9]{0,3}$ ]] || { echo "error: --tensor-parallel-size must be a positive integer, got '$tp'" >&2; exit 2; }
+[[ $D =~ ^[0-9]{1,5}$ ]] || { echo "error: -D must be a non-negative integer, got '$D'" >&2; exit 2; }
 if ((colocated)); then D=0; elif ((D == 0)); then
   echo "error: -D 0 needs --colocated (no decode workers: whole requests on the prefill workers)" >&2; exit 2
 fi
 ((kvbase + D * tp - 1 <= 65535)) || { echo "error: KV ports $kvbase..$((kvbase + D * tp - 1)) go past 65535" >&2; exit 2; }
 
+# the workers' flags, split on blanks as before but never glob-expanded (a '*' or '?' in a value
+# would otherwise become the names of the files in the current directory)
+read -ra pargv <<< "$pargs"; read -ra dargv <<< "$dargs"
 # one device group per worker, prefill then decode (_devices.sh)
 W_ROLE=(); W_INDEX=(); W_FAMILY=(); W_CPU_BIND=()
-# shellcheck disable=SC2086
-dev_scan $pargs
+dev_scan "${pargv[@]}"
 for ((i = 0; i < P; i++)); do
   W_ROLE+=(prefill); W_INDEX+=("$i"); W_FAMILY+=("$DEV_FAMILY"); W_CPU_BIND+=("$DEV_CPU_BIND")
 done
-# shellcheck disable=SC2086
-dev_scan $dargs
+dev_scan "${dargv[@]}"
 for ((j = 0; j < D; j++)); do
   W_ROLE+=(decode); W_INDEX+=("$j"); W_FAMILY+=("$DEV_FAMILY"); W_CPU_BIND+=("$DEV_CPU_BIND")
 done
@@ -136,7 +138,7 @@ for ((i = 0; i < P; i++)); do
   ((colocated)) && extra=(--colocated)
   # shellcheck disable=SC2086
   start prefill "$i" "$p" "$run/prefill-$i.log" "${W_ENV[i]}" python3 -m proserve.prefill --port "$p" "${tpflag[@]}" \
-    "${extra[@]}" "${wflags[@]}" $pargs
+    "${extra[@]}" "${wflags[@]}" "${pargv[@]}"
   dflags+=(--prefill "http://127.0.0.1:$p")
 done
 for ((j = 0; j < D; j++)); do
@@ -144,7 +146,7 @@ for ((j = 0; j < D; j++)); do
   p=$((dbase + j)); kv="tcp://127.0.0.1:$((kvbase + j * tp))"
   # shellcheck disable=SC2086
   start decode "$j" "$p" "$run/decode-$j.log" "${W_ENV[P + j]}" python3 -m proserve.decode --port "$p" --kv-listen "$kv" \
-    "${tpflag[@]}" "${wflags[@]}" $dargs
+    "${tpflag[@]}" "${wflags[@]}" "${dargv[@]}"
   dflags+=(--decode "http://127.0.0.1:$p=$kv")
 done
 ((colocated)) && dflags+=(--deployment colocated)

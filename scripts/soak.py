@@ -183,8 +183,8 @@ async def load(url: str, args, tally: Tally, stop_at: float, burst: threading.Ev
 def junk_kv(c: Cluster, i: int) -> None:
     """Junk, truncated and oversized frames on decode worker i's KV port, from a peer
     with the cluster's CURVE keys and from one without."""
-    frames = [[b"\x83\xa1v\x02\xa4kind\xa4done\xa4xfer\xa0"], [b"\x93junk", b"x"], [b"\xc1"],
-              [b"\x8b\xa1v\x02\xa4kind\xa2kv"], [b"\x81\xa1v\x02", b"\x00" * (80 << 20)]]
+    frames = [[b"\x83\xa1v\x03\xa4kind\xa4done\xa4xfer\xa0"], [b"\x93junk", b"x"], [b"\xc1"],
+              [b"\x8b\xa1v\x03\xa4kind\xa2kv"], [b"\x81\xa1v\x03", b"\x00" * (80 << 20)]]
     for authenticated in (True, False):
         s = c.kv_client(c.kv_addr(i), authenticated, linger_ms=5000)
         for f in frames:

@@ -165,33 +165,40 @@ def test_every_breaker_opening_reaches_the_scheduler_side():
 
     assert step() is None                                               # usable from the start: nothing to say
     now = _time.monotonic()
-    state.update(state="open", open_until=now + 2, last_error="refused")
-    assert 1 < step() <= 2 and step() is None                          # opened: told once
+    state.update(state="open", open_until=now + 0.3, last_error="refused")
+    # opened: told at every step while it is open (vLLM merges only the ranks that report
+    # in a step: a rank that recovers must never be alone about a destination)
+    assert 0 < step() <= 0.3 and 0 < step() <= 0.3
+    _time.sleep(0.35)
+    assert step() is None                                               # cooldown over: nothing new
     state.update(state="half_open")
     assert step() is None                                               # the probe under way: nothing new
+    now = _time.monotonic()
     state.update(state="open", open_until=now + 4)
     assert 3 < step() <= 4                                              # re-opened: told again
     state.update(state="closed")
-    assert step() == 0.0 and told == [False, False, True]
+    assert step() == 0.0 and step() is None and told == [False, False, True]
 
 
 def test_kv_destinations_are_bounded(monkeypatch):
     """A request names where its KV goes: a producer keeps at most MAX_DESTINATIONS
-    senders (sockets, breakers), closing the least recently used idle one; with all of
-    them busy a new destination fails its transfer instead of opening more."""
+    lanes (a thread, sockets, a breaker each), retiring the least recently used idle
+    one; with all of them busy a new destination fails its transfer instead of opening
+    more."""
     monkeypatch.setattr(pusher, "MAX_DESTINATIONS", 3)
     p = pusher.KVPusher(lambda addr: connector.KVSender(addr, timeout=1.0, connect_timeout=0.5))
     addrs = [f"tcp://127.0.0.1:{20000 + i}" for i in range(5)]
     try:
-        first = [p._sender(a) for a in addrs[:3]]
-        assert p._sender(addrs[0]) is first[0]                 # reused, and now the most recent
-        p._sender(addrs[3])                                     # addrs[1] was the least recent: closed
-        assert list(p._senders) == [addrs[2], addrs[0], addrs[3]]
-        for a in list(p._senders):
-            p._senders[a].begin("busy-" + a[-5:])               # every one has a transfer in flight
-        with pytest.raises(pusher.TransferError, match="no room"):
-            p._sender(addrs[4])
-        assert len(p._senders) == 3
+        with p._lock:
+            first = [p._lane(a) for a in addrs[:3]]
+            assert p._lane(addrs[0]) is first[0]                   # reused, and now the most recent
+            p._lane(addrs[3])                                       # addrs[1] was the least recent: retired
+            assert [a for a, x in p._lanes.items() if not x.stop] == [addrs[2], addrs[0], addrs[3]]
+            for a in list(p._lanes):
+                p._lanes[a].sender.begin("busy-" + a[-5:])          # every one has a transfer in flight
+            err = p._lane(addrs[4])
+        assert isinstance(err, pusher.TransferError) and "no room" in str(err)
+        assert first[1].stop and not first[1].thread.join(5) and not first[1].thread.is_alive()
     finally:
         p.close()
 

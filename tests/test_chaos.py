@@ -69,11 +69,20 @@ PROMPT = list(range(40, 140))          # 100 tokens: 4 blocks of 32 (the CPU bac
 OTHER = list(range(300, 400))          # same length, other tokens
 
 
-def _kv_status(c: Cluster, i: int) -> dict:
+def _kv_status(c: Cluster, i: int, whole: bool = False) -> dict:
     _, url = c.worker("decode", i)
     st, body, _ = http("GET", url + "/kv/status", key=c.worker_key)
     assert st == 200, body
-    return body["stats"]
+    return body if whole else body["stats"]
+
+
+def _hello(c: Cluster, i: int) -> bytes:
+    """A well-formed hello carrying the layout decode worker i's receiver expects (its
+    /kv/status says which): what a matching prefill rank sends first."""
+    import msgpack
+
+    from proserve.kvtransfer import wire
+    return msgpack.packb({"v": wire.VERSION, "kind": "hello", "layout": _kv_status(c, i, whole=True)["layout"]})
 
 
 def _pd(c: Cluster, prompt: list[int], max_tokens: int, decode: int, xfer: str) -> tuple[list[int], dict]:
@@ -111,7 +120,8 @@ def _replay(c: Cluster, decode: int, xfer: str, layers: dict, digest: str) -> No
     authenticated peer would, under transfer id `xfer`, closing it with `digest`."""
     from proserve.kvtransfer.auth import ClientKeys
     from proserve.kvtransfer.sender import KVSender
-    with KVSender(c.kv_addr(decode), curve=ClientKeys.load(c.kv_keys), timeout=30) as tx:
+    layout = _kv_status(c, decode, whole=True)["layout"]    # a matching layout: the load-time checks are tested
+    with KVSender(c.kv_addr(decode), curve=ClientKeys.load(c.kv_keys), timeout=30, layout=layout) as tx:
         for (step, layer), (blocks, data) in sorted(layers.items()):
             tx.send_layer(xfer, layer, blocks, data, step=step)
         tx.finish(xfer, digest=digest)
@@ -128,10 +138,10 @@ def test_01_junk_kv_messages_do_not_kill_the_receiver(cluster):
     before = _kv_status(c, 0)
     junk = [
         [json.dumps({}).encode()],
-        [b"\x83\xa1v\x02\xa4kind\xa4done\xa4xfer\xa0"],          # {"v": 2, "kind": "done", "xfer": ""}: the finding
-        [b"\x83\xa1v\x02\xa4kind\xa4done\xa4xfer\xda\x02\x58" + b"x" * 600],   # a 600-character id
+        [b"\x83\xa1v\x03\xa4kind\xa4done\xa4xfer\xa0"],          # {"v": 3, "kind": "done", "xfer": ""}: the finding
+        [b"\x83\xa1v\x03\xa4kind\xa4done\xa4xfer\xda\x02\x58" + b"x" * 600],   # a 600-character id
         [b"\x93not msgpack", b"junk"],
-        [b"\xc1"], [b""], [b"\x81\xa1v\x02"],
+        [b"\xc1"], [b""], [b"\x81\xa1v\x03"],
     ]
     s = c.kv_client(addr)                      # an authenticated but buggy peer
     for frames in junk:
@@ -200,12 +210,14 @@ def test_03_workers_authenticate_and_a_transfer_is_bound_to_its_request(cluster)
         assert http("GET", url + "/health")[0] == 200          # probes stay open
     # a peer without the cluster's CURVE keys gets no answer at all (no credit grant)
     anon = c.kv_client(c.kv_addr(0), authenticated=False)
-    anon.send(b"\x82\xa1v\x02\xa4kind\xa5hello")
+    anon.send(_hello(c, 0))
     assert not anon.poll(3000), "an unauthenticated peer got an answer from the KV receiver"
     anon.close()
     ok = c.kv_client(c.kv_addr(0))
-    ok.send(b"\x82\xa1v\x02\xa4kind\xa5hello")
+    ok.send(_hello(c, 0))
     assert ok.poll(30000), "an authenticated peer gets its credit grant"
+    import msgpack
+    assert msgpack.unpackb(ok.recv())["kind"] == "credit"
     ok.close()
     # KV made for one prompt, pushed under the transfer id of a request with another prompt:
     # refused by the digest check, the other request is computed from its own prompt
@@ -372,16 +384,18 @@ def test_09_a_flooding_peer_cannot_grow_the_receiver_without_bound(cluster):
     rss0 = group_rss_mb(pid)
     s = c.kv_client(c.kv_addr(1))
     s.setsockopt(zmq.SNDHWM, 0)
-    s.send(b"\x82\xa1v\x02\xa4kind\xa5hello")
+    s.send(_hello(c, 1))
     import msgpack
+
+    from proserve.kvtransfer import wire
     for k in range(20000):   # transfer ids never seen: each one a stored result on the old code
-        s.send(msgpack.packb({"v": 2, "kind": "done", "xfer": f"flood-{k}", "chunks": 0, "layers": 0,
+        s.send(msgpack.packb({"v": wire.VERSION, "kind": "done", "xfer": f"flood-{k}", "chunks": 0, "layers": 0,
                               "nbytes": 0, "digest": ""}))
     blob = b"\x00" * (60 << 20)
     for k in range(5):       # 5 x 60 MiB of well-formed KV for transfers that never finish
         part = {"step": 0, "layer": 0, "seq": 0, "blocks": [0], "dtype": "uint8", "shape": [len(blob)],
                 "offset": 0, "lshape": [len(blob)]}
-        head = msgpack.packb({"v": 2, "kind": "kv", "xfer": f"big-{k}", "nbytes": len(blob), "parts": [part]})
+        head = msgpack.packb({"v": wire.VERSION, "kind": "kv", "xfer": f"big-{k}", "nbytes": len(blob), "parts": [part]})
         s.send_multipart([head, blob], copy=False)
     del blob
     wait_for(lambda: _kv_status(c, 1).get("messages_received", 0) >= 20000, 120, "the receiver to take the flood in")

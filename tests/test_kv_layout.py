@@ -76,3 +76,14 @@ def test_receiver_caps_hold_the_longest_prompt_per_peer():
     assert small["max_peer_mib"] == L.MIN_PEER_MIB and small["max_held_mib"] == L.MIN_HELD_MIB
     given = L.receiver_caps(per_token, 8192, {"max_peer_mib": 300.0, "max_held_mib": None}, peers=2)
     assert given["max_peer_mib"] == 300.0 and given["max_held_mib"] == pytest.approx(2 * (1024 * 1.05 + 64))
+
+
+def test_receiver_caps_refuse_what_is_not_a_size():
+    for bad in (float("nan"), float("inf"), 0.0, -5.0):
+        with pytest.raises(ValueError, match="positive number of MiB"):
+            L.receiver_caps(1024, 2048, {"max_peer_mib": bad})
+    assert L.receiver_caps(1 << 20, 4096, {}, peers=0)["max_held_mib"] >= L.receiver_caps(1 << 20, 4096, {})[
+        "max_peer_mib"]
+    with pytest.raises(ValueError):
+        L.Layout.decode('{"tp_size": 1, "tp_rank": 0, "block_size": 16, "layers": 2, '
+                        '"dtype": "bf16\\nFAKE LOG LINE", "block_shape": [2]}')

@@ -173,23 +173,25 @@ def test_fp8_layers_are_gathered_as_bytes():
         p.close()
 
 
-def test_the_sender_thread_survives_an_internal_error(closing, monkeypatch):
-    """An unexpected error while sending fails that transfer (reported) and the thread
-    goes on serving the others."""
+def test_a_lane_survives_an_internal_error(closing, monkeypatch):
+    """An unexpected error while sending fails that transfer (reported) and the lane goes
+    on serving the others."""
     rx = KVReceiver()
     closing(rx)
     p = _pusher()
     closing(p)
-    real = p._sender
+    c = _cache(0)
+    with p._lock:
+        lane = p._lane(rx.address)
+    real = lane.sender.send_layer
     calls = {"n": 0}
 
-    def flaky(addr):
+    def flaky(*a, **kw):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("boom")
-        return real(addr)
-    monkeypatch.setattr(p, "_sender", flaky)
-    c = _cache(0)
+        return real(*a, **kw)
+    monkeypatch.setattr(lane.sender, "send_layer", flaky)
     p.save_layer(0, c, 0, [P.Save("bad", rx.address, [0], 0)], 0)
     p.finish("bad", rx.address, "")
     assert "boom" in _outcome(p, "bad")
@@ -198,6 +200,68 @@ def test_the_sender_thread_survives_an_internal_error(closing, monkeypatch):
     assert _outcome(p, "good") is None
     assert np.array_equal(rx.wait("good", timeout=5).pieces[0, 0].tensor().float().numpy(),
                           c[1:2].float().numpy())
+
+
+def test_a_stalled_destination_holds_up_only_its_own_lane(closing):
+    """One decode worker stops granting credit (a stalled engine): its transfer waits in
+    its own lane while a transfer to a healthy receiver, queued after it, goes through at
+    once, and the forward thread never waited."""
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)        # accepts connections, answers nothing
+    silent.setsockopt(zmq.LINGER, 0)
+    stalled = f"tcp://127.0.0.1:{free_port()}"
+    silent.bind(stalled)
+    rx = KVReceiver()
+    closing(rx)
+    try:
+        p = _pusher(sender_timeout=30.0, timeout_s=30.0)
+        closing(p)
+        c = _cache(0)
+        t0 = time.monotonic()
+        p.save_layer(0, c, 0, [P.Save("slow", stalled, [0, 1], 0)], 0)
+        p.finish("slow", stalled, "")
+        p.save_layer(0, c, 0, [P.Save("fast", rx.address, [2], 0)], 0)
+        p.finish("fast", rx.address, "")
+        forward = time.monotonic() - t0
+        assert _outcome(p, "fast") is None                  # while "slow" still waits for its credit
+        assert "slow" not in p.__dict__["_outcomes_seen"] and p.busy()
+        assert rx.wait("fast", timeout=5).ok
+        assert forward < 5.0                                 # (bounded far below the 30 s timeout)
+    finally:
+        silent.close(0)
+
+
+def test_an_abort_while_finishing_still_reports_an_outcome(closing):
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    silent.bind(addr)
+    try:
+        p = _pusher(sender_timeout=30.0)
+        closing(p)
+        with p._lock:
+            lane = p._lane(addr)
+        lane.sender.begin("x")             # a transfer with no layers (all cached): only 'done' to send
+        p.finish("x", addr, "")            # 'done' is sent; its ack never comes from a silent receiver
+        deadline = time.monotonic() + 10
+        while "x" not in lane.finishing:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        p.abort("x", addr, "the request was cancelled")
+        assert _outcome(p, "x") == "aborted: the request was cancelled"
+    finally:
+        silent.close(0)
+
+
+def test_after_close_nothing_waits_for_ever(closing):
+    p = _pusher()
+    p.close()
+    c = _cache(0)
+    p.save_layer(0, c, 0, [P.Save("late", "tcp://127.0.0.1:1", [0], 0)], 0)
+    assert p.is_failed("late")
+    p.finish("late", "tcp://127.0.0.1:1", "")
+    assert _outcome(p, "late") is not None and not p.busy()
 
 
 def test_the_waits_an_idle_step_uses_return_on_progress(closing):
@@ -216,3 +280,18 @@ def test_the_waits_an_idle_step_uses_return_on_progress(closing):
         assert time.monotonic() < deadline
         p.wait_progress(0.5)
     assert _outcome(p, "w") is None
+
+
+def test_a_closing_loader_reports_the_loads_still_queued():
+    """Loads queued when the loader closes are reported failed (their requests recompute),
+    not dropped (they would wait for ever)."""
+    from proserve.kvtransfer.loader import KVLoader
+    ld = KVLoader([_cache(0)], 0)
+    with ld._cv:                       # queued and closing at once: the thread cannot take the jobs first
+        ld._jobs.append(("r1", "x1", "ab", [0], 0, None, None))
+        ld._jobs.append(("r2", "x2", "ab", [1], 0, None, None))
+        ld._closing = True
+        ld._cv.notify_all()
+    ld._thread.join(5)
+    done = ld.done()
+    assert sorted(done) == ["r1", "r2"] and all(e and "closed" in e for e, _, _ in done.values())

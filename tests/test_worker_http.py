@@ -168,3 +168,19 @@ def test_api_key_guards_every_route_but_health_and_metrics(tmp_path, monkeypatch
 def test_loopback_hosts(host, loopback):
     from proserve.prefill.worker import is_loopback_host
     assert is_loopback_host(host) is loopback
+
+
+@pytest.mark.parametrize("ranks, age", [("abc", None), ("0", None), ("-3", None), ("2.5", None),
+                                        ("99999999999", None), ("٣", None), ("2", "nan"), ("2", "-1")])
+def test_a_misconfigured_guard_fails_closed(tmp_path, monkeypatch, ranks, age):
+    """Junk in the variables the launcher sets makes /health say so (503), instead of
+    watching fewer ranks than there are, or none."""
+    hb = tmp_path / "kv.heartbeat"
+    hb.write_text(json.dumps({"time": time.time(), "stats": {}}))
+    (tmp_path / "kv.heartbeat.r1").write_text(json.dumps({"time": time.time(), "stats": {}}))
+    g = make_guard(monkeypatch, heartbeat=hb, ranks=ranks)
+    if age is not None:
+        monkeypatch.setenv(worker_http.HEARTBEAT_MAX_AGE_ENV, age)
+        g = worker_http.WorkerGuard(None)
+    status, body, _ = call(g, "/health")
+    assert status == 503 and "misconfigured" in body["error"]["message"]
