@@ -26,8 +26,8 @@ attempt: an id already in use on this engine is refused):
    the blocks that step wrote for the request (one gather of the layer; on an
    accelerator a copy to pinned host memory on a side stream, after an event
    recorded on the forward stream) and returns: the sending is done by the
-   pusher's thread (:mod:`proserve.kvtransfer.pusher`), so the forward pass
-   waits neither for the network nor for flow-control credit. Each layer goes
+   pusher's thread for that destination (:mod:`proserve.kvtransfer.pusher`), so
+   the forward pass waits neither for the network nor for flow-control credit. Each layer goes
    out as piece ``(step, layer)`` of the transfer (the wire's ``step`` field;
    the blocks are logical positions in the request). Large layers go out at
    once (pipelined per layer and per prefill chunk); small ones are packed and
@@ -78,7 +78,7 @@ binds only loopback/ipc addresses and the sender sends only to them, unless
 
 Extra config keys: ``listen``, ``timeout_s``, ``connect_timeout_s``,
 ``keys_dir``, ``insecure``, ``layerwise_save``; producer ``max_staged_mib``
-(layers staged and not yet with ZeroMQ, default 512); consumer memory caps
+(layers staged for one destination and not yet with ZeroMQ, default 512); consumer memory caps
 ``max_open_transfers``, ``max_held_mib``, ``max_peer_mib`` (default: from
 this rank's KV bytes per token and ``max_model_len``, see
 :func:`proserve.kvtransfer.layout.receiver_caps`), ``prefill_peers``,
