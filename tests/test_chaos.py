@@ -360,16 +360,22 @@ def test_08_a_dead_kv_destination_does_not_stall_the_prefill_engine(cluster):
     _, purl = c.worker("prefill", 0)
     dead = f"tcp://127.0.0.1:{free_port()}"       # nobody listens there
     took, params = [], []
-    for k in range(3):
+    for k in range(30):
         t0 = time.monotonic()
         out = c.complete(purl, PROMPT, 1, {"do_remote_decode": True, "xfer_id": f"chaos-dead-{k}",
                                             "remote_addr": dead})
         took.append(time.monotonic() - t0)
         params.append(out.get("kv_transfer_params") or {})
-    # the old code waited --kv-timeout (30 s) per layer: 60 s per request for 2 layers
+        if params[-1].get("kv_failed_dest") == dead and params[-1].get("error"):
+            break
+        time.sleep(0.5)
+    # the old code waited --kv-timeout (30 s) per layer: 60 s per request for 2 layers; now the
+    # forward pass does not wait for the destination at all (the pusher's lane for it does)
     assert max(took) < 20, took
-    # once the breaker is open the response says where the KV could not go
-    assert any(p.get("kv_failed_dest") == dead and p.get("error") for p in params), params
+    # the first responses may go out before the lane finds the destination dead (it has
+    # --kv-connect-timeout to answer); once the breaker is open every response says where the
+    # KV could not go
+    assert params[-1].get("kv_failed_dest") == dead and params[-1].get("error"), params
     m = metrics(purl)
     assert metric_sum(m, "proserve:kv_send_failures_total", dead) >= 1
     # the engine serves the next request end to end
