@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import inspect
 import logging
+import os
 import socket
 import sys
 import threading
@@ -162,6 +163,20 @@ def new_stream(api, device):
         return api.Stream(device=device)
     except TypeError:
         return api.Stream()
+
+
+def unpinned(make):
+    """Build a thread-owning object with every core allowed. vLLM's CPU worker pins its
+    main thread to its cores and busy-polls there; a thread started from it would
+    inherit that pin and starve. The pin is restored afterwards."""
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        if pinned is not None:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        return make()
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
 
 
 def accepts_kwargs(fn: Callable, names: Iterable[str]) -> bool:

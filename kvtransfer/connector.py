@@ -110,6 +110,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import connector_metrics
 from .auth import ClientKeys, ServerKeys
+from .common import unpinned
 from .layout import (
     EXPECTED_PREFILL_PEERS,
     Layout,
@@ -533,7 +534,7 @@ class ProServeConnector(KVConnectorBase_V1):
     def _start_pusher(self) -> None:
         cfg = self._kv_transfer_config
         dump = self._dumper()
-        self._pusher = _unpinned(lambda: KVPusher(
+        self._pusher = unpinned(lambda: KVPusher(
             self._new_sender, timeout_s=self.timeout_s,
             max_staged_bytes=int(_extra(cfg, "max_staged_mib", 512.0) * MIB),
             on_sent=self.metrics.sent, on_failed=self._count_failure, dump=dump,
@@ -579,9 +580,9 @@ class ProServeConnector(KVConnectorBase_V1):
                   # a long prompt's chunks can come far apart on a busy prefill engine
                   stale_after_s=_extra(cfg, "stale_after_s", max(120.0, 4 * self.timeout_s)),
                   name=f"kvreceiver-r{self.tp_rank}")
-        self._receiver = _unpinned(lambda: KVReceiver(listen, **kw))
+        self._receiver = unpinned(lambda: KVReceiver(listen, **kw))
         dump = self._dumper()
-        self._loader = _unpinned(lambda: KVLoader(caches, self._block_dim, self.debug_corrupt, dump,
+        self._loader = unpinned(lambda: KVLoader(caches, self._block_dim, self.debug_corrupt, dump,
                                                   name=f"kvloader-r{self.tp_rank}"))
         log.info("ProServe KV receiver of rank %d/%d listening on %s (%s); caps: %.0f MiB per peer, %.0f MiB in "
                  "all (the longest prompt, %d tokens, is %.0f MiB of this rank's KV)", self.tp_rank, self.tp_size,
@@ -766,20 +767,6 @@ def _tp_rank() -> int:
     KV caches are registered; NixlConnector reads it the same way)."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     return get_tensor_model_parallel_rank()
-
-
-def _unpinned(make):
-    """Build a thread-owning object with every core allowed. vLLM's CPU worker pins its
-    main thread to its cores and busy-polls there; a thread started from it would
-    inherit that pin and starve. The pin is restored afterwards."""
-    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    try:
-        if pinned is not None:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        return make()
-    finally:
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
 
 
 def _dump(root: str, xfer: str, name: str, t: torch.Tensor) -> None:

@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .common import DestinationUnavailable, TransferError, TransferTimeout, device_api, new_stream
+from .common import DestinationUnavailable, TransferError, TransferTimeout, device_api, new_stream, unpinned
 from .sender import KVSender, SendResult
 
 log = logging.getLogger("proserve.kvtransfer")
@@ -332,7 +332,9 @@ class KVPusher:
         lane = self._lanes[addr] = _Lane(addr, sender, self._lock)
         lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"{self.name}-{len(self._lanes)}",
                                        daemon=True)
-        lane.thread.start()
+        # started from the forward thread, which vLLM's CPU worker pins to its cores: with every
+        # core allowed (the thread, and ZeroMQ's I/O thread it brings up, would starve there)
+        unpinned(lane.thread.start)
         return lane
 
     def _put(self, lane: _Lane, cmd: tuple) -> None:
