@@ -993,8 +993,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         print(f"error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
-    if args.host_cpu:
-        os.sched_setaffinity(0, {int(c) for c in args.host_cpu.split(",")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # the engines run with cwd=ROOT (Engine): hand them absolute paths, checked from here
@@ -1015,6 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, json.JSONDecodeError) as e:
         print(f"error: latency model {model_path}: {e}", file=sys.stderr)
         return 2
+    if args.host_cpu:   # after every check: a refused run leaves the caller's cores as they were
+        os.sched_setaffinity(0, {int(c) for c in args.host_cpu.split(",")})
     port = args.port or _free_port()
     t_all = time.monotonic()
     probe = None

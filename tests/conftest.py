@@ -1,4 +1,6 @@
 import importlib.util
+import os
+import sys
 
 import pytest
 
@@ -14,6 +16,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+#: the cores this session may use, as it began. Something a test runs in this process can pin
+#: the main thread (the thread that launches every worker, which inherits the pin): then a
+#: later worker would find its --devices cores "not allowed", or share one core with others
+_AFFINITY = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if _AFFINITY is not None and os.sched_getaffinity(0) != _AFFINITY:
+        print(f"\n{item.nodeid} left this process pinned to cores {sorted(os.sched_getaffinity(0))}: "
+              f"restored {sorted(_AFFINITY)}", file=sys.stderr)
+        os.sched_setaffinity(0, _AFFINITY)
 
 
 @pytest.fixture

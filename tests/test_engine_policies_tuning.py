@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -250,6 +251,7 @@ def test_engine_command_serves_the_given_model_with_dummy_weights_when_it_has_no
 
 
 def test_main_refuses_a_missing_model_and_bad_repeats(tmp_path, capsys):
+    cores = os.sched_getaffinity(0)
     assert ep.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "no such directory" in capsys.readouterr().err
     (tmp_path / "weights.bin").write_bytes(b"")                  # a file is not a model directory
@@ -257,6 +259,9 @@ def test_main_refuses_a_missing_model_and_bad_repeats(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert ep.main(["--repeats", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--repeats" in capsys.readouterr().err
+    # --host-cpu (default: core 1) pins only a run that goes ahead: a refused one leaves the
+    # caller's cores alone (the workers it would start next inherit them)
+    assert os.sched_getaffinity(0) == cores
 
 
 def _run(policy, rate, rep, tdg, slo, ttft99=0.4):
