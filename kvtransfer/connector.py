@@ -70,6 +70,11 @@ CUDA graphs: a producer needs every layer's ``save_kv_layer`` to run, so it
 asks vLLM for piecewise graphs (:meth:`ProServeConnector.requires_piecewise_for_cudagraph`);
 a consumer (``layerwise_save: false``, set by the decode worker) keeps full graphs.
 
+Cache layouts: one tensor per layer (vLLM: ``[blocks, ...]`` or ``[2, blocks, ...]``)
+or a tuple of ``[blocks, ...]`` tensors per layer (vllm-ascend: ``(k, v)``, or MLA's
+``(nope, rope)``); :func:`proserve.kvtransfer.layout.flatten_caches` numbers the
+tensors for the wire, and both sides must split their layers alike.
+
 Security: with ``keys_dir`` the KV sockets use ZeroMQ CURVE (the consumer's
 receiver admits only the client keys in ``keys_dir/clients``; the producer
 needs ``client.key_secret`` and ``server.key``). Without keys, the receiver
@@ -115,7 +120,9 @@ from .layout import (
     EXPECTED_PREFILL_PEERS,
     Layout,
     bytes_per_token,
+    cache_parts,
     check_sender,
+    flatten_caches,
     rank_address,
     rank_path,
     receiver_caps,
@@ -506,19 +513,17 @@ class ProServeConnector(KVConnectorBase_V1):
                 p.failed = f"KV transfer to {dest} failed: {err}"
 
     # ================================== worker side =====================================
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor | tuple]"):
         self._kv_caches = kv_caches
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
-        caches = list(kv_caches.values())
-        first = caches[0]
-        if isinstance(first, (tuple, list)):
-            raise ValueError("ProServeConnector: this engine hands each layer's KV cache over as a tuple of "
-                             "tensors (vllm-ascend does); ProServe's KV transfer supports one tensor per layer")
-        # block dimension: 0 for [blocks, ...] (CPU, FlashInfer, MLA), 1 for [2, blocks, ...] (FlashAttention)
-        self._block_dim = 0 if num_blocks is None or first.shape[0] == num_blocks else 1
+        # one tensor per layer ([blocks, ...] on CPU, FlashInfer, MLA; [2, blocks, ...] for
+        # FlashAttention) or vllm-ascend's (k, v) tuple: the wire numbers the tensors
+        table = flatten_caches(kv_caches, num_blocks)
+        caches = table.tensors
+        self._layer_index = table.first
+        self._block_dim = table.block_dim
         self.tp_rank = _tp_rank() if self.tp_size > 1 else 0
-        self.layout = layout_of(caches, self._block_dim, self.block_size, self.tp_size, self.tp_rank)
+        self.layout = layout_of(caches, self._block_dim, self.block_size, self.tp_size, self.tp_rank, table.parts)
         if self.is_producer:
             self._start_pusher()
         elif self._receiver is None:
@@ -603,7 +608,7 @@ class ProServeConnector(KVConnectorBase_V1):
         if self._pusher is not None:
             self._pusher.order_forward_after_copies()
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor | tuple", attn_metadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, ProServeConnectorMetadata) or not meta.saves or self._pusher is None:
             return
@@ -614,7 +619,8 @@ class ProServeConnector(KVConnectorBase_V1):
         # same layer is sent once per step: (step, layer) names the piece on the wire; the
         # blocks sent are logical indices in the request
         saves = [Save(s.xfer, s.addr, s.block_ids, s.first_block) for s in meta.saves]
-        self._pusher.save_layer(layer, kv_layer, self._block_dim, saves, self._step)
+        for i, part in enumerate(cache_parts(kv_layer)):     # (k, v) on vllm-ascend
+            self._pusher.save_layer(layer + i, part, self._block_dim, saves, self._step)
 
     def wait_for_save(self):
         # nothing waits here: the pusher's thread sends what save_kv_layer staged

@@ -22,6 +22,14 @@ tensor-parallel size, block size, model or cache dtype), so the prefill
 worker's response names the cause at once instead of the decode worker
 silently recomputing every prompt.
 
+Cache tensors. vLLM hands the connector one tensor per layer: ``[blocks, ...]``
+(CPU, FlashInfer, MLA) or ``[2, blocks, ...]`` (FlashAttention, K and V fused).
+vllm-ascend hands over a tuple per layer instead, ``(k_cache, v_cache)`` (for
+MLA ``(nope, rope)``, of different shapes), each ``[blocks, ...]``.
+:func:`flatten_caches` lists every cache tensor in layer order, the parts of a
+layer one after the other; the wire's layer index is an index into that list,
+so both sides must split their layers alike (the layout's ``parts``).
+
 Sizes. :func:`receiver_caps` sizes the consumer's memory caps from its own
 cache: one peer may hold the KV of the longest prompt the engine accepts
 (``max_model_len`` tokens of this rank's KV), all peers together that of
@@ -72,13 +80,62 @@ def rank_path(path: str, rank: int) -> str:
 
 
 @dataclass(frozen=True)
+class CacheTable:
+    """An engine's KV cache tensors as the transfer sees them (:func:`flatten_caches`)."""
+    tensors: list            # every cache tensor, in layer order (a layer's parts in a row)
+    first: dict              # layer name -> index of its first tensor in ``tensors``
+    parts: int               # tensors per layer: 1 (one tensor), 2 (vllm-ascend's (k, v))
+    block_dim: int           # the block axis of every tensor
+
+
+def cache_parts(kv_layer) -> tuple:
+    """One layer's cache tensors: ``(t,)`` for a tensor, the tuple's tensors for a tuple."""
+    return tuple(kv_layer) if isinstance(kv_layer, (tuple, list)) else (kv_layer,)
+
+
+def flatten_caches(kv_caches: Mapping, num_blocks: int | None) -> CacheTable:
+    """The cache tensors of ``kv_caches`` (layer name -> a tensor, or a tuple of tensors
+    as vllm-ascend passes), with their block axis: 0 for ``[blocks, ...]``, 1 for
+    ``[2, blocks, ...]`` (a tensor whose first axis is not ``num_blocks``; tuples hold
+    ``[blocks, ...]`` tensors). ValueError when the layers disagree on that."""
+    if not kv_caches:
+        raise ValueError("ProServeConnector: the engine registered no KV cache")
+    tensors: list = []
+    first: dict = {}
+    parts = None
+    for name, kv in kv_caches.items():
+        layer = cache_parts(kv)
+        if not layer or any(not hasattr(t, "shape") or len(t.shape) < 2 for t in layer):
+            raise ValueError(f"ProServeConnector: layer {name}'s KV cache is not a tensor or a tuple of tensors")
+        if parts is None:
+            parts = len(layer)
+        elif len(layer) != parts:
+            raise ValueError(f"ProServeConnector: layer {name} has {len(layer)} KV cache tensors, the first "
+                             f"layer {parts}: every layer must be split alike")
+        first[name] = len(tensors)
+        tensors.extend(layer)
+    if parts > 1:
+        block_dim = 0
+        if num_blocks is not None:
+            bad = [tuple(t.shape) for t in tensors if int(t.shape[0]) != num_blocks]
+            if bad:
+                raise ValueError(f"ProServeConnector: a tuple of KV cache tensors per layer is read as "
+                                 f"[blocks, ...] each, but a tensor of shape {list(bad[0])} does not start "
+                                 f"with the engine's {num_blocks} blocks")
+    else:
+        block_dim = 0 if num_blocks is None or int(tensors[0].shape[0]) == num_blocks else 1
+    return CacheTable(tensors, first, parts, block_dim)
+
+
+@dataclass(frozen=True)
 class Layout:
     tp_size: int
     tp_rank: int
     block_size: int
-    layers: int
+    layers: int                 # cache tensors, ``parts`` per model layer
     dtype: str
     block_shape: tuple[int, ...]
+    parts: int = 1
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -88,22 +145,25 @@ class Layout:
         d = json.loads(text)
         if not isinstance(d, dict):
             raise ValueError("a layout is a JSON object")
-        ints = ("tp_size", "tp_rank", "block_size", "layers")
+        ints = ("tp_size", "tp_rank", "block_size", "layers", "parts")
+        d.setdefault("parts", 1)
         if any(type(d.get(k)) is not int for k in ints) or not isinstance(d.get("dtype"), str) \
                 or not _DTYPE.fullmatch(d["dtype"]) \
                 or not isinstance(d.get("block_shape"), list) \
                 or not all(type(x) is int for x in d["block_shape"]):
             raise ValueError(f"a layout needs ints {', '.join(ints)}, a str dtype and a list block_shape")
         return Layout(d["tp_size"], d["tp_rank"], d["block_size"], d["layers"], d["dtype"],
-                      tuple(d["block_shape"]))
+                      tuple(d["block_shape"]), d["parts"])
 
 
-def describe(caches: Sequence, block_dim: int, block_size: int, tp_size: int, tp_rank: int) -> Layout:
-    """This rank's layout, from its per-layer KV cache tensors (all of one shape and dtype)."""
+def describe(caches: Sequence, block_dim: int, block_size: int, tp_size: int, tp_rank: int,
+             parts: int = 1) -> Layout:
+    """This rank's layout, from its KV cache tensors (:attr:`CacheTable.tensors`; the
+    first one's block shape and dtype stand for the model's)."""
     first = caches[0]
     shape = tuple(int(s) for i, s in enumerate(first.shape) if i != block_dim)
     dtype = str(first.dtype).removeprefix("torch.")
-    return Layout(tp_size, tp_rank, block_size, len(caches), dtype, shape)
+    return Layout(tp_size, tp_rank, block_size, len(caches), dtype, shape, parts)
 
 
 def mismatch(sender: Layout, receiver: Layout) -> str | None:
@@ -120,12 +180,20 @@ def mismatch(sender: Layout, receiver: Layout) -> str | None:
     if sender.block_size != receiver.block_size:
         return (f"the prefill engine's KV blocks hold {sender.block_size} tokens, this decode engine's "
                 f"{receiver.block_size}: give both the same --block-size")
+    if sender.parts != receiver.parts:
+        return (f"the prefill engine keeps {_parts(sender.parts)} per layer, this decode engine "
+                f"{_parts(receiver.parts)} per layer: both pools must run the same platform (vllm-ascend passes a (k, v) "
+                f"tuple, vLLM one tensor)")
     if (sender.layers, sender.dtype, sender.block_shape) != (receiver.layers, receiver.dtype, receiver.block_shape):
         return (f"the prefill engine's KV cache ({sender.layers} layers of {sender.dtype} blocks "
                 f"{list(sender.block_shape)}) does not match this decode engine's ({receiver.layers} layers of "
                 f"{receiver.dtype} blocks {list(receiver.block_shape)}): same model, dtype and --kv-cache-dtype "
                 f"on both sides?")
     return None
+
+
+def _parts(n: int) -> str:
+    return "one KV cache tensor" if n == 1 else f"{n} KV cache tensors"
 
 
 def check_sender(receiver: Layout):
@@ -171,5 +239,6 @@ def receiver_caps(per_token: float, max_model_len: int, given: Mapping[str, floa
     return {"max_peer_mib": float(peer), "max_held_mib": float(held), "longest_prompt_mib": longest_mib}
 
 
-__all__ = ["EXPECTED_PREFILL_PEERS", "Layout", "bytes_per_token", "check_sender", "describe", "mismatch",
+__all__ = ["EXPECTED_PREFILL_PEERS", "CacheTable", "Layout", "bytes_per_token", "cache_parts", "check_sender",
+           "describe", "flatten_caches", "mismatch",
            "rank_address", "rank_path", "receiver_caps"]

@@ -106,20 +106,34 @@ def default_class_of(classes: Mapping[str, PriorityClass]) -> str:
     return min(classes.values(), key=lambda c: c.weight).name
 
 
-try:  # the validator is a vLLM plugin; the parsing above must work without vLLM
-    from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessor
-except Exception:  # pragma: no cover - vLLM absent
-    _LogitsProcessor = object
+def _processor_bases() -> tuple[type, ...]:
+    """vLLM's logits-processor interfaces present here: the V1 model runner's
+    (``vllm.v1.sample.logits_processor``) and Model Runner V2's
+    (``vllm.v1.worker.gpu.sample.logits_processor``), which vLLM 0.32 uses by default on
+    CUDA (where Triton is) and whose loader refuses any class not derived from its own
+    interface. The validator derives from both, so either runner loads it."""
+    bases = []
+    try:
+        from vllm.v1.sample.logits_processor import LogitsProcessor as V1
+        bases.append(V1)
+    except Exception:  # pragma: no cover - vLLM absent, or a vLLM without the V1 interface
+        pass
+    try:
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2
+        bases.append(V2)
+    except Exception:  # pragma: no cover - a vLLM without Model Runner V2's interface
+        pass
+    return tuple(bases) or (object,)
 
 
-class ParamsValidator(_LogitsProcessor):
+class ParamsValidator(*_processor_bases()):
     """Rejects bad ``vllm_xargs`` in the API server, before the request is queued.
 
     vLLM calls ``validate_params`` of every registered logits processor while
     processing a request's input; a ``ValueError`` becomes HTTP 400 with the
-    message. The processor itself never changes logits (``apply`` returns them
-    unchanged, and it declares itself argmax-invariant so vLLM skips it for
-    greedy batches).
+    message. The processor itself never changes logits: ``apply`` returns them
+    unchanged; to the V1 runner it declares itself argmax-invariant (skipped for
+    greedy batches), to Model Runner V2 it takes no request (``add_request``).
     """
 
     _table: tuple[dict[str, PriorityClass], str] | None = None
@@ -130,14 +144,18 @@ class ParamsValidator(_LogitsProcessor):
             cls._table = classes_from_env()
         parse(getattr(sampling_params, "extra_args", None), *cls._table)
 
-    def __init__(self, vllm_config=None, device=None, is_pin_memory=False):
+    def __init__(self, *args, **kwargs):
+        # V1: (vllm_config, device, is_pin_memory); V2: (vllm_config, req_states)
         pass
 
-    def is_argmax_invariant(self) -> bool:
+    def is_argmax_invariant(self) -> bool:           # V1
         return True
 
-    def update_state(self, batch_update) -> None:
+    def update_state(self, batch_update) -> None:    # V1
         pass
 
-    def apply(self, logits):
+    def add_request(self, req_idx: int, sampling_params) -> bool:   # V2: modifies no request's logits
+        return False
+
+    def apply(self, logits, ctx=None):               # V1: (logits); V2: (logits, ctx)
         return logits

@@ -69,6 +69,31 @@ def test_validator_reads_classes_from_the_environment(monkeypatch):
     assert params.ParamsValidator._table[1] == "bronze"   # untagged requests get the lowest weight
 
 
+@pytest.mark.vllm
+def test_both_model_runners_load_the_validator_and_it_leaves_logits_alone(monkeypatch):
+    """vLLM 0.32 on CUDA runs Model Runner V2, whose loader refuses a class that is not
+    its own logits-processor interface (the V1 runner, used here on CPU, has another):
+    both of vLLM's loaders take the validator, and under either it changes no logits."""
+    torch = pytest.importorskip("torch")
+    from vllm.v1.sample.logits_processor import _load_custom_logitsprocs
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs
+    fqcn = "proserve.prefill.params:ParamsValidator"
+    assert _load_custom_logitsprocs([fqcn]) == [params.ParamsValidator]
+    assert _load_v2_logitsprocs([fqcn]) == [params.ParamsValidator]
+    logits = torch.randn(3, 11)
+    v1 = params.ParamsValidator(None, torch.device("cpu"), False)
+    assert v1.is_argmax_invariant() and torch.equal(v1.apply(logits.clone()), logits)
+    v2 = params.ParamsValidator(None, None)
+    assert v2.add_request(0, None) is False and torch.equal(v2.apply(logits.clone(), None), logits)
+    monkeypatch.setattr(params.ParamsValidator, "_table", None)
+    monkeypatch.delenv(params.CLASSES_ENV, raising=False)
+
+    class SP:
+        extra_args = {"priority_class": "nope"}
+    with pytest.raises(ValueError, match="priority_class"):
+        params.ParamsValidator.validate_params(SP())
+
+
 def test_engine_config_rejects_bad_values():
     with pytest.raises(ConfigError, match="unknown key"):
         EngineConfig.from_dict({"local_polcy": "sjf"})
