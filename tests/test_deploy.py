@@ -427,15 +427,35 @@ def test_network_policies(case):
             assert set(by_port) == {"http"}
 
 
+#: what vllm-ascend's container guide mounts from the host besides the NPU devices
+ASCEND_HOST_PATHS = ["/usr/local/dcmi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/driver/lib64",
+                     "/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info"]
+
+
 def test_pods_run_unprivileged(case):
-    _, _, docs, _ = case
+    """No pod is privileged, escalates or keeps a capability. Every pod runs as a non-root
+    user, except the Ascend workers, which run as root as vllm-ascend's guide runs them
+    (the NPU device nodes belong to root), with the host's driver mounted read-only."""
+    name, _, docs, _ = case
+    npu = CASES[name].get("accelerator") == "ascend"
     for component, spec_, _ in pod_specs(docs):
         assert spec_["automountServiceAccountToken"] is False
-        assert spec_["securityContext"]["runAsNonRoot"] is True
+        worker = component in ("prefill", "decode")
+        root = npu and worker
+        ctx = spec_["securityContext"]
+        assert ctx["runAsNonRoot"] is (not root) and (ctx["runAsUser"] == 0) is root
         [c] = spec_["containers"]
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
-        assert not sc.get("privileged")
+        assert not sc.get("privileged") and not sc["capabilities"].get("add")
+        host = {v["name"]: v["hostPath"]["path"] for v in spec_["volumes"] if "hostPath" in v}
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        if root:
+            assert sorted(host.values()) == sorted(ASCEND_HOST_PATHS)
+            for vol, path in host.items():
+                assert mounts[vol]["mountPath"] == path and mounts[vol]["readOnly"] is True
+        else:
+            assert not host
 
 
 # -- the guide -------------------------------------------------------------------------------
