@@ -54,7 +54,8 @@ attempt: an id already in use on this engine is refused):
    cache through one pinned buffer per transfer, on a stream of its own); the
    engine's step never waits for it. A transfer that fails any check, fails
    on the wire or never arrives within ``timeout_s`` is a load failure
-   (``failed_recving``): with ``kv_load_failure_policy="recompute"`` vLLM
+   (``failed_recving``; vLLM 0.23/0.27, which lack it: the blocks it left
+   unwritten, ``get_block_ids_with_load_errors``): with ``kv_load_failure_policy="recompute"`` vLLM
    recomputes the prompt locally, with ``"fail"`` the request ends with an
    error. Never an engine crash.
 
@@ -109,9 +110,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+
+try:   # vLLM 0.32+: a failed load is reported per request (failed_recving)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    REPORTS_FAILED_RECVING = True
+except ImportError:   # vLLM 0.23/0.27: vLLM calls get_finished, and learns of a failed load from
+    # get_block_ids_with_load_errors (the blocks left unwritten), which it then recomputes or fails
+    # by kv_load_failure_policy as 0.32 does with failed_recving
+    REPORTS_FAILED_RECVING = False
+
+    @dataclass
+    class KVConnectorTransferResults:    # the fields of vLLM 0.32's
+        finished_sending: set[str] | None = None
+        finished_recving: set[str] | None = None
+        failed_recving: set[str] = field(default_factory=set)
 
 from . import connector_metrics
 from .auth import ClientKeys, ServerKeys
@@ -339,6 +353,7 @@ class ProServeConnector(KVConnectorBase_V1):
         self._step = 0                                  # producer: steps with saves, orders chunks
         self._loads: dict[str, tuple[LoadSpec, float]] = {}   # req_id -> (load, deadline), not yet arrived
         self._loading: dict[str, LoadSpec] = {}         # req_id -> load, with the loader thread
+        self._error_blocks: set[int] = set()   # vLLM 0.23/0.27: blocks failed loads left unwritten
         self.metrics = connector_metrics.get()
         pp = vllm_config.parallel_config.pipeline_parallel_size
         if pp > 1:
@@ -448,7 +463,7 @@ class ProServeConnector(KVConnectorBase_V1):
             if req_id not in self._params:
                 continue
             new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in getattr(cached, "resumed_req_ids", ()):   # vLLM 0.34: resumed ones come as new
                 self._blocks[req_id] = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 self._blocks.setdefault(req_id, []).extend(new_blocks[0])
@@ -732,6 +747,8 @@ class ProServeConnector(KVConnectorBase_V1):
                   == "recompute" else "fails the request")
         self.metrics.load_failed(reason)
         failed.add(ld.req_id)
+        if not REPORTS_FAILED_RECVING:
+            self._error_blocks.update(ld.block_ids[ld.skip_blocks:])
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self.is_producer or self._pusher is None:
@@ -757,7 +774,10 @@ class ProServeConnector(KVConnectorBase_V1):
         return meta if (meta.failed or meta.dests) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()   # failures are reported per request (failed_recving)
+        # vLLM 0.32+: failures are reported per request (failed_recving). Older vLLMs ask for
+        # the blocks a failed load left unwritten, right after get_finished
+        out, self._error_blocks = self._error_blocks, set()
+        return out
 
     def shutdown(self):
         if self._pusher is not None:

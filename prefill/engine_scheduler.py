@@ -18,7 +18,9 @@ takes are all in :mod:`proserve.prefill.vllm_shim`, checked when the engine star
 2. **How many tokens each.** The plan's chunk for every request (GETMAXCHUNK of
    the latency budget) becomes a per-request cap applied through
    ``_reserve_prefill_lookahead``, the last per-request clamp vLLM applies
-   (in both its running and waiting loops) before allocating blocks. A running
+   (in both its running and waiting loops) before allocating blocks (vLLM
+   0.23/0.27: ``_mamba_block_aligned_split``, called at the same places;
+   :func:`vllm_shim.route_chunk_clamp`). A running
    request without a chunk is capped to 0, which vLLM treats as "skip this
    step". vLLM's own token budget (``max_num_batched_tokens``) still bounds the
    batch.
@@ -161,6 +163,7 @@ class ProServeScheduler(Scheduler):
                               f"--no-async-scheduling")
         super().__init__(vllm_config, *args, **kwargs)
         vllm_shim.check_instance(self)
+        self._vllm_split = vllm_shim.route_chunk_clamp(self)   # vLLM 0.23/0.27: its Mamba split is the hook
         extra = getattr(vllm_config, "additional_config", None) or {}
         cfg = self.ps_config = EngineConfig.from_dict(extra.get("proserve"))
         # issue 14: vLLM's KV-cache events for the dispatcher's index, on ProServe's publisher
@@ -223,11 +226,10 @@ class ProServeScheduler(Scheduler):
         out = super().finish_requests(request_ids, finished_status)
         self._publish_queue()
         now = self.wall_clock()
-        for r in out:
+        for rid in vllm_shim.finished_ids(out):
             # stop strings end requests here too (the front end detects them), not only aborts
-            self._finished(self._views.pop(r.request_id, None), now,
-                           aborted=finished_status == vllm_shim.ABORTED,
-                           error=self._failing.pop(r.request_id, None))
+            self._finished(self._views.pop(rid, None), now, aborted=finished_status == vllm_shim.ABORTED,
+                           error=self._failing.pop(rid, None))
         return out
 
     def _finished(self, v: PolicyRequest | None, now: float, aborted: bool = False,
@@ -372,13 +374,23 @@ class ProServeScheduler(Scheduler):
                            r.id, r.prefill_len, view.free_blocks)
             self._failing[r.id] = "request does not fit in KV memory"
         if what.fail:
-            vllm_shim.fail(self, [r.id for r in what.fail])
+            vllm_shim.fail(self, [r.id for r in what.fail], "request does not fit in KV memory")
         return not what.wait
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
-        # the last per-request clamp of vLLM's schedule(): apply the plan's chunk here
+        # the last per-request clamp of vLLM's schedule() (vLLM 0.32+): apply the plan's chunk here
         # (a private vLLM method: vllm_shim.check verifies it exists with this signature)
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        return self._planned_chunk(request, n)
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens: int, *args, **kwargs) -> int:
+        # vLLM 0.23/0.27 call this at the same two places (vllm_shim.route_chunk_clamp); on
+        # 0.32+ only for Mamba models, after which _reserve_prefill_lookahead clamps again
+        n = super()._mamba_block_aligned_split(request, num_new_tokens, *args, **kwargs) \
+            if self._vllm_split else num_new_tokens
+        return self._planned_chunk(request, n)
+
+    def _planned_chunk(self, request, n: int) -> int:
         if self._caps is None:
             return n
         return min(n, self._caps.get(request.request_id, 0))
@@ -462,6 +474,7 @@ class ProServeScheduler(Scheduler):
         # to them so that their last tokens are counted too
         stepped = {rid: self.requests.get(rid) for rid in scheduler_output.num_scheduled_tokens}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        vllm_shim.finish_failed(self, outputs)     # vLLM 0.23 only: the requests fail() named
         now = self.wall_clock()
         plan = step.plan if step is not None else None
         prefilling = [(r, len(r.token_times)) for r, _ in plan.prefill] if plan is not None else ()

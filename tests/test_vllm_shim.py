@@ -15,18 +15,18 @@ def test_the_installed_vllm_is_supported():
     vllm_shim.check()
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "not-a-version"])
-def test_a_version_outside_the_tested_range_stops_the_engine(version, monkeypatch):
+@pytest.mark.parametrize("version", ["0.22.1", "0.26.0", "0.31.9", "0.34.0", "1.0.0", "not-a-version"])
+def test_a_version_outside_the_supported_minors_stops_the_engine(version, monkeypatch):
     monkeypatch.delenv(vllm_shim.ALLOW_ENV, raising=False)
-    with pytest.raises(vllm_shim.UnsupportedVLLM, match="vLLM >= 0.32, < 0.33") as e:
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="supports vLLM 0.23, 0.27, 0.32, 0.33") as e:
         vllm_shim.check(version)
     assert vllm_shim.ALLOW_ENV in str(e.value)        # and the way to try it anyway
     monkeypatch.setenv(vllm_shim.ALLOW_ENV, "1")
     vllm_shim.check(version)                          # the touch points are still there: passes
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.5", "0.32.1.dev3+g1234abc"])
-def test_patch_releases_of_the_tested_minor_are_supported(version):
+@pytest.mark.parametrize("version", ["0.23.0", "0.27.1", "0.32.0", "0.32.5", "0.32.1.dev3+g1234abc", "0.33.0"])
+def test_patch_releases_of_the_supported_minors_are_supported(version):
     vllm_shim.check(version)
 
 
@@ -36,23 +36,78 @@ def test_a_missing_or_changed_touch_point_stops_the_engine_even_when_allowed(mon
     class NoHook:
         pass
 
-    with pytest.raises(vllm_shim.UnsupportedVLLM, match="_reserve_prefill_lookahead is missing"):
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="neither Scheduler._reserve_prefill_lookahead"):
         vllm_shim.check(scheduler_cls=NoHook)
 
     class OtherSignature:
         def _reserve_prefill_lookahead(self, request, num_new_tokens):
             return num_new_tokens
 
-    with pytest.raises(vllm_shim.UnsupportedVLLM, match="takes \\(self, request, num_new_tokens\\)"):
+        def _mamba_block_aligned_split(self, request, num_new_tokens):   # no silent fallback to it
+            return num_new_tokens
+
+    assert vllm_shim.chunk_hook(OtherSignature) is None
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="neither"):
         vllm_shim.check(scheduler_cls=OtherSignature)
+
+    class Older:                                       # vLLM 0.23/0.27
+        def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
+                                       num_external_computed_tokens=0):
+            return num_new_tokens
+
+        def _preempt_request(self, request, timestamp):
+            pass
+
+    assert vllm_shim.chunk_hook(Older) == "_mamba_block_aligned_split"
+    vllm_shim.check(scheduler_cls=Older)
 
 
 def test_a_scheduler_without_the_queues_is_refused():
     class Bare:
         waiting = running = requests = ()
+        current_step = 0
 
-    with pytest.raises(vllm_shim.UnsupportedVLLM, match="kv_holding_waiting is missing"):
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="neither Scheduler.kv_holding_waiting nor .skipped_waiting"):
         vllm_shim.check_instance(Bare())
+
+
+def test_the_queues_and_failures_of_older_and_newer_vllms():
+    """vLLM 0.23/0.27 keep the requests waiting with KV in ``skipped_waiting``; 0.33 keeps
+    the requests to fail in a dict of errors; 0.23 has no such field, and its
+    finish_requests returns (id, client_index) pairs."""
+    from types import SimpleNamespace
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+    class Req:                                         # hashable, as vLLM's requests are
+        def __init__(self, rid):
+            self.request_id, self.status = rid, vllm_shim.RequestStatus.WAITING
+
+    def q(*ids):
+        out = create_request_queue(SchedulingPolicy.FCFS)
+        for i in ids:
+            out.add_request(Req(i))
+        return out
+
+    old = SimpleNamespace(waiting=q("a", "b"), skipped_waiting=q("c"), running=[])
+    assert [len(x) for x in vllm_shim.queues(old)] == [0, 1, 2] and vllm_shim.num_waiting(old) == 3
+    with vllm_shim.planned_queues(old, {"b": 5, "c": 5}, ["b", "c"]):
+        assert [r.request_id for r in old.waiting] == ["b"]
+        assert [r.request_id for r in old.skipped_waiting] == ["c"]
+    assert [r.request_id for r in old.waiting] == ["b", "a"] and len(old.skipped_waiting) == 1
+
+    import vllm.outputs
+    if hasattr(vllm.outputs, "RequestError"):          # vLLM 0.32+
+        newer = SimpleNamespace(grammar_compile_error_reqs={})
+        vllm_shim.fail(newer, ["x"], "too long")
+        err = newer.grammar_compile_error_reqs["x"]
+        assert err.message == "too long" and not err.retryable
+    current = SimpleNamespace(grammar_compile_error_reqs=set())
+    vllm_shim.fail(current, ["x"], "too long")
+    assert current.grammar_compile_error_reqs == {"x"}
+    oldest = SimpleNamespace(requests={})
+    vllm_shim.fail(oldest, ["x"], "too long")
+    assert oldest._proserve_failed == {"x"}
+    assert vllm_shim.finished_ids([("r1", 0), SimpleNamespace(request_id="r2")]) == ["r1", "r2"]
 
 
 def test_the_async_touch_points_are_checked(monkeypatch):
@@ -116,3 +171,10 @@ def test_skipped_next_step_is_vllms_condition():
     assert not skipped(sched, _request(computed=102, outputs=3, due=11))
     # only the running loop skips
     assert not skipped(sched, _request("WAITING", computed=100))
+
+
+def test_a_preempted_request_has_no_tokens_in_flight():
+    """vLLM 0.23 keeps the placeholders of a request it preempted with tokens in flight
+    (0.27+ zero them): those tokens are dropped, so they do not count."""
+    assert vllm_shim.in_flight_tokens(_request(placeholders=2)) == 2
+    assert vllm_shim.in_flight_tokens(_request("PREEMPTED", placeholders=2)) == 0
