@@ -172,9 +172,10 @@ class ProServeScheduler(Scheduler):
         install(self, extra.get(CONFIG_KEY))
         parts = build(cfg)
         self.classes, self.default_class = parts.classes, parts.default_class
-        self.estimator, self.gain, self.policy = parts.estimator, parts.gain, parts.policy
+        # named so as not to shadow vLLM's Scheduler.policy (its queues' SchedulingPolicy, read in schedule())
+        self.estimator, self.gain, self.local_policy = parts.estimator, parts.gain, parts.policy
         self.mode = cfg.mode
-        self.host = LocalHost(self.policy, self.estimator, self.mode, self.block_size, vllm_shim.total_blocks(self))
+        self.host = LocalHost(self.local_policy, self.estimator, self.mode, self.block_size, vllm_shim.total_blocks(self))
         self._views: dict[str, PolicyRequest] = {}
         self._order = ViewOrder()   # the simulator's order of the view, not vLLM's queue order
         self._caps: dict[str, int] | None = None      # the plan's tokens, while vLLM schedules
@@ -302,7 +303,7 @@ class ProServeScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         t0 = self.step_clock()
         self._publish_queue()   # the queue as of the step's start (issue 15; a no-op unless publishing)
-        if self.policy is None:
+        if self.local_policy is None:
             out = super().schedule(*args, **kwargs)
         else:
             out = self._schedule_planned(*args, **kwargs)

@@ -224,7 +224,7 @@ def plugin_run(vp, policy: str, mode: str, events: list[dict], tweak=None, param
             return True, None
         sched._connector_finished = connector_finished
     log: list = []
-    _record_plans(sched.policy, sched.estimator, log)
+    _record_plans(sched.local_policy, sched.estimator, log)
     times: dict = {}
     finished = sched.host.finished
 

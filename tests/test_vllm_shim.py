@@ -178,3 +178,26 @@ def test_a_preempted_request_has_no_tokens_in_flight():
     (0.27+ zero them): those tokens are dropped, so they do not count."""
     assert vllm_shim.in_flight_tokens(_request(placeholders=2)) == 2
     assert vllm_shim.in_flight_tokens(_request("PREEMPTED", placeholders=2)) == 0
+
+
+def test_the_plugin_shadows_no_attribute_of_vllms_scheduler():
+    """The plugin subclasses vLLM's Scheduler: an attribute of its own with the name of one
+    of vLLM's would replace vLLM's (``self.policy`` did: vLLM reads its queues'
+    SchedulingPolicy from it while scheduling)."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from vllm.v1.core.sched import async_scheduler, scheduler
+
+    from proserve.prefill import engine_scheduler
+
+    def assigned(text):
+        return set(re.findall(r"self\.([A-Za-z_]\w*)\s*(?::[^=\n]+)?=(?!=)", text))
+
+    vllms = set()
+    for mod in (scheduler, async_scheduler):
+        src = inspect.getsource(mod)
+        vllms |= assigned(src) | set(re.findall(r"self\.([A-Za-z_]\w*)", src))
+    ours = assigned(Path(engine_scheduler.__file__).read_text())
+    assert ours and not (ours & vllms), sorted(ours & vllms)
