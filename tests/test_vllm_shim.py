@@ -201,3 +201,48 @@ def test_the_plugin_shadows_no_attribute_of_vllms_scheduler():
         vllms |= assigned(src) | set(re.findall(r"self\.([A-Za-z_]\w*)", src))
     ours = assigned(Path(engine_scheduler.__file__).read_text())
     assert ours and not (ours & vllms), sorted(ours & vllms)
+
+
+def test_requests_failed_on_a_vllm_without_an_error_path_are_finished_once():
+    """vLLM 0.23 has no grammar_compile_error_reqs: finish_failed finishes what fail() named
+    with FINISHED_ERROR and adds an output per request to its client's outputs; one that
+    vLLM did not finish (already aborted) gets none, and nothing is finished twice."""
+    from types import SimpleNamespace
+
+    def req(rid, client):
+        return SimpleNamespace(request_id=rid, client_index=client, trace_headers=None,
+                               get_finished_reason=lambda: None, take_events=lambda: None)
+
+    finished = []
+
+    def finish_requests(ids, status):
+        assert status == vllm_shim.RequestStatus.FINISHED_ERROR
+        finished.extend(ids)
+        return [(i, 0) for i in ids if i != "gone"]              # vLLM 0.23's pairs
+
+    sched = SimpleNamespace(requests={"a": req("a", 0), "b": req("b", 1), "gone": req("gone", 0)},
+                            finish_requests=finish_requests)
+    vllm_shim.fail(sched, ["a", "b", "gone", "unknown"], "too long")
+    outputs = {}
+    vllm_shim.finish_failed(sched, outputs)
+    assert sorted(finished) == ["a", "b", "gone"]
+    assert {c: [o.request_id for o in out.outputs] for c, out in outputs.items()} == {0: ["a"], 1: ["b"]}
+    vllm_shim.finish_failed(sched, outputs)                        # nothing left to finish
+    assert sorted(finished) == ["a", "b", "gone"]
+
+
+def test_a_prefill_cadence_is_refused():
+    """vLLM 0.33 applies prefill_schedule_interval > 1 without data parallelism: the
+    plugin's planned prefills would be skipped on the steps between."""
+    from types import SimpleNamespace
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+    pool = SimpleNamespace(get_num_free_blocks=lambda: 1, num_gpu_blocks=2)
+    sched = SimpleNamespace(waiting=create_request_queue(SchedulingPolicy.FCFS), running=[], requests={},
+                            current_step=0, kv_holding_waiting=create_request_queue(SchedulingPolicy.FCFS),
+                            grammar_compile_error_reqs=set(), kv_cache_manager=SimpleNamespace(block_pool=pool),
+                            scheduler_config=SimpleNamespace(prefill_schedule_interval=1),
+                            need_mamba_block_aligned_split=False)
+    vllm_shim.check_instance(sched)
+    sched.scheduler_config.prefill_schedule_interval = 4
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="prefill_schedule_interval=4"):
+        vllm_shim.check_instance(sched)
