@@ -426,7 +426,12 @@ class ProServeConnector(KVConnectorBase_V1):
             return
         p.claimed = True
         block_ids = list(blocks.get_block_ids()[0])
-        skip = request.num_computed_tokens // self.block_size
+        # the leading blocks this engine found in its own prefix cache: they may be shared with
+        # running requests, so the load must not write them (nor a failed load report them).
+        # vLLM sets request.num_computed_tokens only after this call; the local hit is the
+        # prompt's tokens beyond those the transfer brings (get_num_new_matched_tokens)
+        local = len(request.prompt_token_ids or []) - num_external_tokens
+        skip = max(0, local) // self.block_size
         self._pending_load.append(LoadSpec(request.request_id, p.xfer, block_ids, skip,
                                            prompt_digest(request.prompt_token_ids)))
 

@@ -247,3 +247,34 @@ def test_only_a_step_with_nothing_to_compute_waits_for_the_connectors_threads():
     c._loader = SimpleNamespace(wait_any=lambda t: calls.append(("loader", t)))
     c._let_threads_run()
     assert calls == [("loader", connector.IDLE_WAIT_S)]
+
+
+@pytest.mark.parametrize("local_hit_blocks", [0, 2])
+def test_a_load_skips_the_blocks_found_in_the_local_prefix_cache(local_hit_blocks, monkeypatch):
+    """vLLM calls update_state_after_alloc before it sets request.num_computed_tokens (its
+    waiting loop), so the local prefix-cache hit is read from num_external_tokens: those
+    leading blocks may be shared with running requests and are neither written by the
+    load nor reported if it fails (vLLM 0.23/0.27 would rewind every request sharing them)."""
+    from types import SimpleNamespace
+    bs = 4
+    c = connector.ProServeConnector.__new__(connector.ProServeConnector)   # scheduler side only
+    c.block_size, c._pending_load = bs, []
+    prompt = list(range(5 * bs + 1))                       # 6 blocks, the last one partial
+    c._params = {"r": connector.RequestKV("consume", xfer="x")}
+    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, num_computed_tokens=0)   # as vLLM has it
+    ids = [9, 3, 7, 1, 5, 2]
+    blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
+    external = len(prompt) - local_hit_blocks * bs
+    assert c.get_num_new_matched_tokens(req, local_hit_blocks * bs) == (external, True)
+    c.update_state_after_alloc(req, blocks, external)
+    [ld] = c._pending_load
+    assert ld.block_ids == ids and ld.skip_blocks == local_hit_blocks
+    # a failed load, where vLLM has no failed_recving: only the blocks the load owns are reported
+    monkeypatch.setattr(connector, "REPORTS_FAILED_RECVING", False)
+    c._error_blocks, c._kv_transfer_config = set(), SimpleNamespace(kv_load_failure_policy="recompute")
+    c.metrics = SimpleNamespace(load_failed=lambda reason: None)
+    failed = set()
+    c._load_failed(ld, "test", "timeout", failed)
+    assert failed == {"r"}
+    assert c.get_block_ids_with_load_errors() == set(ids[local_hit_blocks:])
+    assert c.get_block_ids_with_load_errors() == set()     # reported once
