@@ -38,6 +38,10 @@ def test_layouts_roundtrip_and_garbage_is_refused_with_a_reason():
     for junk in ("not json", "[1, 2]", '{"tp_size": "2"}', '{"tp_size": 2, "tp_rank": 1, "block_size": 16, '
                  '"layers": 32, "dtype": "bfloat16", "block_shape": ["x"]}'):
         assert "cannot be read" in check(junk), junk
+    # the tensors-per-layer count a peer claims (vllm-ascend's (k, v) tuples): an int or refused
+    body = lay.encode()[:-1]
+    for parts in ('"2"', "2.0", "null", "[2]", "true"):
+        assert "cannot be read" in check(body + f',"parts":{parts}}}'), parts
 
 
 @pytest.mark.parametrize("field, value, words", [
