@@ -118,4 +118,11 @@ def test_a_tp_mismatch_is_refused_with_the_reason(cluster):
         time.sleep(0.5)
     else:
         pytest.fail(f"no prefill response named the TP mismatch: {errors}")
-    assert _get(c["tp1"].url + "/kv/status")["stats"]["senders_refused"] >= 1
+    # the receiver's counters reach /kv/status with its heartbeat file (about once a second)
+    deadline = time.monotonic() + 15
+    while True:
+        refused = _get(c["tp1"].url + "/kv/status")["stats"]["senders_refused"]
+        if refused >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert refused >= 1
