@@ -117,6 +117,8 @@ logger = logging.getLogger("proserve.scheduler")
 #: steps in flight past which the oldest is given up for lost (vLLM keeps at most
 #: ``max_concurrent_batches`` in flight: 2 with async scheduling, ``pp_size`` + 1 at most)
 MAX_IN_FLIGHT = 64
+# why a request whose prompt can never fit the KV cache is failed (the client sees it)
+DOES_NOT_FIT = "request does not fit in KV memory"
 
 
 @dataclass(slots=True, eq=False)
@@ -373,9 +375,9 @@ class ProServeScheduler(Scheduler):
         for r in what.fail:
             logger.warning("request %s: %d tokens to prefill do not fit the KV cache of %d blocks; failing it",
                            r.id, r.prefill_len, view.free_blocks)
-            self._failing[r.id] = "request does not fit in KV memory"
+            self._failing[r.id] = DOES_NOT_FIT
         if what.fail:
-            vllm_shim.fail(self, [r.id for r in what.fail], "request does not fit in KV memory")
+            vllm_shim.fail(self, [r.id for r in what.fail], DOES_NOT_FIT)
         return not what.wait
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:

@@ -200,6 +200,10 @@ def test_strict_validation_catches_a_misspelt_field():
     ({"decode": {"vllmArgs": ["-pp=4"]}}, "-pp=4: pipeline parallelism is not supported"),
     ({"decode": {"tensorParallelSize": 0}}, "tensorParallelSize"),
     ({"decode": {"tensorParallelSize": 2, "kvPort": 65535}}, "rank ports go past 65535"),
+    # an Ascend host path says what it is, so that a node without it fails the pod by name
+    ({"ascend": {"hostPaths": ["/usr/local/dcmi"]}}, "hostPaths"),
+    ({"ascend": {"hostPaths": [{"path": "/usr/local/dcmi"}]}}, "hostPaths"),
+    ({"ascend": {"hostPaths": [{"path": "/x", "type": "DirectoryOrCreate"}]}}, "hostPaths"),
 ])
 def test_bad_values_are_refused(values, message):
     with pytest.raises(HelmError, match=message):
@@ -428,8 +432,9 @@ def test_network_policies(case):
 
 
 #: what vllm-ascend's container guide mounts from the host besides the NPU devices
-ASCEND_HOST_PATHS = ["/usr/local/dcmi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/driver/lib64",
-                     "/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info"]
+ASCEND_HOST_PATHS = {"/usr/local/dcmi": "Directory", "/usr/local/bin/npu-smi": "File",
+                     "/usr/local/Ascend/driver/lib64": "Directory",
+                     "/usr/local/Ascend/driver/version.info": "File", "/etc/ascend_install.info": "File"}
 
 
 def test_pods_run_unprivileged(case):
@@ -449,9 +454,11 @@ def test_pods_run_unprivileged(case):
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
         assert not sc.get("privileged") and not sc["capabilities"].get("add")
         host = {v["name"]: v["hostPath"]["path"] for v in spec_["volumes"] if "hostPath" in v}
+        kinds = {v["hostPath"]["path"]: v["hostPath"].get("type") for v in spec_["volumes"] if "hostPath" in v}
         mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
         if root:
-            assert sorted(host.values()) == sorted(ASCEND_HOST_PATHS)
+            # each path must exist on the node as what it is (no empty directory in its place)
+            assert kinds == ASCEND_HOST_PATHS
             for vol, path in host.items():
                 assert mounts[vol]["mountPath"] == path and mounts[vol]["readOnly"] is True
         else:

@@ -76,10 +76,14 @@ def test_both_model_runners_load_the_validator_and_it_leaves_logits_alone(monkey
     both of vLLM's loaders take the validator, and under either it changes no logits."""
     torch = pytest.importorskip("torch")
     from vllm.v1.sample.logits_processor import _load_custom_logitsprocs
-    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs
+    try:        # Model Runner V2's loader: vLLM >= 0.32 (0.23 and 0.27 have the V1 runner only)
+        from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs
+    except ImportError:
+        _load_v2_logitsprocs = None
     fqcn = "proserve.prefill.params:ParamsValidator"
     assert _load_custom_logitsprocs([fqcn]) == [params.ParamsValidator]
-    assert _load_v2_logitsprocs([fqcn]) == [params.ParamsValidator]
+    if _load_v2_logitsprocs is not None:
+        assert _load_v2_logitsprocs([fqcn]) == [params.ParamsValidator]
     logits = torch.randn(3, 11)
     v1 = params.ParamsValidator(None, torch.device("cpu"), False)
     assert v1.is_argmax_invariant() and torch.equal(v1.apply(logits.clone()), logits)
