@@ -388,10 +388,12 @@ class ProServeScheduler(Scheduler):
 
     def _mamba_block_aligned_split(self, request, num_new_tokens: int, *args, **kwargs) -> int:
         # vLLM 0.23/0.27 call this at the same two places (vllm_shim.route_chunk_clamp); on
-        # 0.32+ only for Mamba models, after which _reserve_prefill_lookahead clamps again
-        n = super()._mamba_block_aligned_split(request, num_new_tokens, *args, **kwargs) \
-            if self._vllm_split else num_new_tokens
-        return self._planned_chunk(request, n)
+        # 0.32+ only for Mamba models, after which _reserve_prefill_lookahead clamps again.
+        # The plan's cap comes first, so that a hybrid model's chunk is still block-aligned
+        n = self._planned_chunk(request, num_new_tokens)
+        if self._vllm_split and n > 0:
+            n = super()._mamba_block_aligned_split(request, n, *args, **kwargs)
+        return n
 
     def _planned_chunk(self, request, n: int) -> int:
         if self._caps is None:

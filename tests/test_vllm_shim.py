@@ -246,3 +246,31 @@ def test_a_prefill_cadence_is_refused():
     sched.scheduler_config.prefill_schedule_interval = 4
     with pytest.raises(vllm_shim.UnsupportedVLLM, match="prefill_schedule_interval=4"):
         vllm_shim.check_instance(sched)
+
+
+def test_the_plans_cap_comes_before_vllms_mamba_split(monkeypatch):
+    """Where vLLM splits a hybrid model's chunk on Mamba block boundaries (0.23/0.27 call the
+    split for every request, the plugin routes its clamp through it), the plan's cap is applied
+    first, so the chunk vLLM schedules is still block-aligned; a request the plan leaves out
+    (cap 0) is not split at all."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from proserve.prefill.engine_scheduler import ProServeScheduler
+    seen = []
+
+    def align_down(self, request, n, *args, **kwargs):      # vLLM's split: whole 16-token blocks
+        seen.append(n)
+        return n // 16 * 16
+    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", align_down, raising=False)
+    sched = object.__new__(ProServeScheduler)
+    sched._caps, sched._vllm_split = {"a": 40, "b": 0}, True
+    assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="a"), 100) == 32   # not min(96, 40)
+    assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="b"), 100) == 0
+    assert seen == [40]
+    sched._vllm_split = False                                # a model vLLM does not split: the cap only
+    assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="a"), 100) == 40
+    sched._caps = None                                       # no plan in force: vLLM's split alone
+    sched._vllm_split = True
+    assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="a"), 100) == 96
