@@ -354,6 +354,7 @@ class ProServeConnector(KVConnectorBase_V1):
         self._loads: dict[str, tuple[LoadSpec, float]] = {}   # req_id -> (load, deadline), not yet arrived
         self._loading: dict[str, LoadSpec] = {}         # req_id -> load, with the loader thread
         self._error_blocks: set[int] = set()   # vLLM 0.23/0.27: blocks failed loads left unwritten
+        self._applied: ProServeConnectorMetadata | None = None   # the last step whose bookkeeping ran
         self.metrics = connector_metrics.get()
         pp = vllm_config.parallel_config.pipeline_parallel_size
         if pp > 1:
@@ -645,8 +646,17 @@ class ProServeConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         # nothing waits here: the pusher's thread sends what save_kv_layer staged
         meta = self._get_connector_metadata()
-        if not isinstance(meta, ProServeConnectorMetadata):
+        if isinstance(meta, ProServeConnectorMetadata):
+            self._apply_step(meta)
+
+    def _apply_step(self, meta: ProServeConnectorMetadata) -> None:
+        """The step's bookkeeping, once per step: flush what its layers staged, then its
+        finishes, aborts, discards and loads. Runs from ``wait_for_save``, after the forward
+        pass; a step without one (nothing scheduled) runs it from ``get_finished``, since
+        vLLM 0.23/0.27 do not call ``wait_for_save`` on such steps (0.32+ do)."""
+        if self._applied is meta:
             return
+        self._applied = meta
         pusher = self._pusher
         if meta.saves and pusher is not None:
             self._step += 1
@@ -674,6 +684,9 @@ class ProServeConnector(KVConnectorBase_V1):
         return (r.finished_sending or None), (r.finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        meta = self._connector_metadata
+        if isinstance(meta, ProServeConnectorMetadata) and meta.idle:
+            self._apply_step(meta)       # no forward pass: vLLM 0.23/0.27 skipped wait_for_save
         self._let_threads_run()
         if self._pusher is not None:
             for xfer, (dest, err) in self._pusher.failures().items():

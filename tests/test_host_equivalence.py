@@ -359,8 +359,17 @@ def _vllm_queue_order(sched) -> None:
 
 
 def _chunks_not_applied(sched) -> None:
-    sched._reserve_prefill_lookahead = lambda request, num_computed_tokens, num_new_tokens: (
-        num_new_tokens if sched._caps is None or request.request_id in sched._caps else 0)
+    # the clamp of this vLLM (vllm_shim.chunk_hook): _reserve_prefill_lookahead(request,
+    # num_computed_tokens, num_new_tokens) on 0.32+, _mamba_block_aligned_split(request,
+    # num_new_tokens, ...) on 0.23/0.27
+    from proserve.prefill import vllm_shim
+    hook = vllm_shim.chunk_hook()
+    at = 2 if hook == "_reserve_prefill_lookahead" else 1
+
+    def whole(request, *args, **kwargs):
+        n = kwargs["num_new_tokens"] if "num_new_tokens" in kwargs else args[at - 1]
+        return n if sched._caps is None or request.request_id in sched._caps else 0
+    setattr(sched, hook, whole)
 
 
 @pytest.mark.parametrize("breakage", [_no_reserve, _vllm_queue_order, _chunks_not_applied])
