@@ -20,7 +20,7 @@ ALL_VERSIONS=(0.23.0 0.27.1 0.32.0)
 # scheduler and in a real engine, the connector's hooks, and prefill/decode pairs
 TESTS=(tests/test_vllm_shim.py tests/test_engine_params.py tests/test_host_equivalence.py
        tests/test_engine_scheduler.py tests/test_engine_scheduler_async.py tests/test_queue_publication_engine.py
-       tests/test_kv_tuple_caches.py tests/test_adversarial_connector.py tests/test_pd_vllm.py
+       tests/test_kv_tuple_caches.py tests/test_kv_idle_steps.py tests/test_adversarial_connector.py tests/test_pd_vllm.py
        tests/test_pd_graph_shapes.py)
 
 install_only=0
