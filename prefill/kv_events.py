@@ -85,11 +85,12 @@ def check_config(cfg: Any) -> dict:
 
 
 def _publisher_class():
-    from vllm.distributed.kv_events import ZmqEventPublisher
-
     from proserve.kvtransfer.auth import ServerKeys
     from proserve.kvtransfer.common import Stats
     from proserve.kvtransfer.receiver import _ZapHandler  # the KV receiver's ZAP handler, reused
+
+    from .vllm_shim import event_publisher_base
+    ZmqEventPublisher = event_publisher_base()      # UnsupportedVLLM (a ConfigError) when it changed
 
     class CurveEventPublisher(ZmqEventPublisher):
         """vLLM's ZMQ publisher (its thread, queue, sequence numbers and encoding), on a PUB
@@ -151,12 +152,12 @@ def install(scheduler, cfg: Any) -> None:
     if cfg is None:
         return
     cfg = check_config(cfg)
-    if not getattr(scheduler, "enable_kv_cache_events", False):
+    from .vllm_shim import kv_events_enabled, swap_event_publisher
+    if not kv_events_enabled(scheduler):
         raise ConfigError(f"additional_config.{CONFIG_KEY} is set but vLLM collects no KV cache events: "
                           f"start it with --kv-events-config '{{\"enable_kv_cache_events\": true, "
                           f"\"publisher\": \"null\"}}'")
-    old = scheduler.kv_event_publisher
-    scheduler.kv_event_publisher = make_publisher(cfg)
+    old = swap_event_publisher(scheduler, make_publisher(cfg))
     if old is not None:
         old.shutdown()
     logger.info("KV cache events published on %s (%s)", cfg["endpoint"],

@@ -48,6 +48,13 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
   step in flight comes back, or, V2 model runner with pipeline parallelism,
   whose decode cadence is not due): :func:`in_flight_tokens` and
   :func:`skipped_next_step`.
+* KV-cache events (``proserve.prefill.kv_events``): ``Scheduler.enable_kv_cache_events``
+  and ``Scheduler.kv_event_publisher`` (:func:`kv_events_enabled`,
+  :func:`swap_event_publisher`), and ``vllm.distributed.kv_events.ZmqEventPublisher``,
+  whose socket set-up a subclass replaces: its constructor calls ``_socket_setup()``,
+  which must bind ``self._pub`` (a PUB socket of ``self._ctx``) to ``self._endpoint``
+  with high-water mark ``self._hwm`` (:func:`event_publisher_base`; the same in vLLM
+  0.23 to 0.34).
 
 Versions. Each touch point is found by what the installed vLLM has, not by its
 version number. :data:`SUPPORTED_MINORS` lists the vLLM minors the plugin runs
@@ -161,6 +168,48 @@ def check(version: str | None = None, scheduler_cls: type = Scheduler) -> None:
     if missing:
         raise UnsupportedVLLM(f"vLLM {version}: vLLM's Request lacks {', '.join(missing)}; the ProServe "
                               f"scheduler reads them to show a policy each request's state")
+
+
+#: what a ZmqEventPublisher subclass relies on: the constructor's parameters, the method it
+#: replaces, and the attributes that method reads and sets
+_PUBLISHER_PARAMS = ("data_parallel_rank", "endpoint", "replay_endpoint", "buffer_steps", "hwm")
+_PUBLISHER_SETUP = "_socket_setup"
+_PUBLISHER_FIELDS = ("self._ctx", "self._pub", "self._hwm", "self._endpoint", f"self.{_PUBLISHER_SETUP}()")
+
+
+def event_publisher_base() -> type:
+    """vLLM's ZMQ KV-event publisher, to derive from (its thread, queue, sequence numbers and
+    encoding kept; the socket set-up replaced): UnsupportedVLLM when it changed."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+    where = f"vLLM {vllm.__version__}: vllm.distributed.kv_events.ZmqEventPublisher"
+    params = list(inspect.signature(ZmqEventPublisher.__init__).parameters)
+    missing = [p for p in _PUBLISHER_PARAMS if p not in params]
+    if missing:
+        raise UnsupportedVLLM(f"{where} takes no {', '.join(missing)}; ProServe's KV-event publisher passes them")
+    if not callable(getattr(ZmqEventPublisher, _PUBLISHER_SETUP, None)):
+        raise UnsupportedVLLM(f"{where}.{_PUBLISHER_SETUP} is gone; ProServe's KV-event publisher replaces it "
+                              f"to bind its own (CURVE) socket")
+    try:
+        source = inspect.getsource(ZmqEventPublisher.__init__)
+    except (OSError, TypeError):       # no source shipped: the method check above is all there is
+        return ZmqEventPublisher
+    missing = [f for f in _PUBLISHER_FIELDS if f not in source]
+    if missing:
+        raise UnsupportedVLLM(f"{where}.__init__ no longer uses {', '.join(missing)}; ProServe's KV-event "
+                              f"publisher sets them in {_PUBLISHER_SETUP}")
+    return ZmqEventPublisher
+
+
+def kv_events_enabled(sched: Scheduler) -> bool:
+    """Whether vLLM collects KV-cache events on this scheduler (``--kv-events-config``)."""
+    return bool(getattr(sched, "enable_kv_cache_events", False))
+
+
+def swap_event_publisher(sched: Scheduler, publisher):
+    """Make ``publisher`` the scheduler's KV-event publisher; returns the one it replaces."""
+    old = getattr(sched, "kv_event_publisher", None)
+    sched.kv_event_publisher = publisher
+    return old
 
 
 def check_instance(sched: Scheduler) -> None:

@@ -274,3 +274,22 @@ def test_the_plans_cap_comes_before_vllms_mamba_split(monkeypatch):
     sched._caps = None                                       # no plan in force: vLLM's split alone
     sched._vllm_split = True
     assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="a"), 100) == 96
+
+
+def test_the_kv_event_publisher_base_is_checked(monkeypatch):
+    """ProServe's KV-event publisher derives from vLLM's ZmqEventPublisher and replaces its
+    socket set-up: the installed one passes; one without that method, or whose constructor no
+    longer takes the settings passed, stops the engine saying what changed."""
+    from vllm.distributed import kv_events as vllm_events
+    assert vllm_shim.event_publisher_base() is vllm_events.ZmqEventPublisher
+    monkeypatch.delattr(vllm_events.ZmqEventPublisher, "_socket_setup")
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="ZmqEventPublisher._socket_setup is gone"):
+        vllm_shim.event_publisher_base()
+    monkeypatch.undo()
+
+    class Changed(vllm_events.ZmqEventPublisher):
+        def __init__(self, data_parallel_rank, endpoint="tcp://*:1"):     # no hwm, buffer_steps, ...
+            pass
+    monkeypatch.setattr(vllm_events, "ZmqEventPublisher", Changed)
+    with pytest.raises(vllm_shim.UnsupportedVLLM, match="takes no replay_endpoint, buffer_steps, hwm"):
+        vllm_shim.event_publisher_base()
