@@ -392,7 +392,14 @@ class ProServeScheduler(Scheduler):
         # The plan's cap comes first, so that a hybrid model's chunk is still block-aligned
         n = self._planned_chunk(request, num_new_tokens)
         if self._vllm_split and n > 0:
-            n = super()._mamba_block_aligned_split(request, n, *args, **kwargs)
+            aligned = super()._mamba_block_aligned_split(request, n, *args, **kwargs)
+            if aligned == 0:
+                # the planned chunk is shorter than one of the model's (Mamba-aligned) blocks:
+                # vLLM would schedule nothing, step after step. One block instead, the least
+                # step that makes progress (as LocalHost's least step does for a token budget)
+                one_block = min(num_new_tokens, max(n, vllm_shim.split_block_size(self)))
+                aligned = super()._mamba_block_aligned_split(request, one_block, *args, **kwargs)
+            n = aligned
         return n
 
     def _planned_chunk(self, request, n: int) -> int:

@@ -251,6 +251,12 @@ def route_chunk_clamp(sched: Scheduler) -> bool:
     return own
 
 
+def split_block_size(sched: Scheduler) -> int:
+    """The block on whose boundaries vLLM's Mamba split ends chunks (``cache_config.block_size``,
+    which a hybrid model in align mode raises to its Mamba state's page)."""
+    return int(getattr(getattr(sched, "cache_config", None), "block_size", None) or sched.block_size)
+
+
 def _holding(sched: Scheduler) -> str:
     return _HOLDING[0] if hasattr(sched, _HOLDING[0]) else _HOLDING[1]
 

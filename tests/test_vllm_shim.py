@@ -252,7 +252,7 @@ def test_the_plans_cap_comes_before_vllms_mamba_split(monkeypatch):
     """Where vLLM splits a hybrid model's chunk on Mamba block boundaries (0.23/0.27 call the
     split for every request, the plugin routes its clamp through it), the plan's cap is applied
     first, so the chunk vLLM schedules is still block-aligned; a request the plan leaves out
-    (cap 0) is not split at all."""
+    (cap 0) is not split at all, and one whose planned chunk is under a block gets one block."""
     from types import SimpleNamespace
 
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -265,10 +265,14 @@ def test_the_plans_cap_comes_before_vllms_mamba_split(monkeypatch):
         return n // 16 * 16
     monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", align_down, raising=False)
     sched = object.__new__(ProServeScheduler)
-    sched._caps, sched._vllm_split = {"a": 40, "b": 0}, True
+    sched._caps, sched._vllm_split, sched.block_size = {"a": 40, "b": 0, "c": 5}, True, 4
+    sched.cache_config = SimpleNamespace(block_size=16)       # a hybrid model's block: vLLM splits on it
     assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="a"), 100) == 32   # not min(96, 40)
     assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="b"), 100) == 0
     assert seen == [40]
+    # a planned chunk shorter than one block would be split to nothing, step after step: one block
+    assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="c"), 100) == 16
+    assert seen == [40, 5, 16]
     sched._vllm_split = False                                # a model vLLM does not split: the cap only
     assert sched._mamba_block_aligned_split(SimpleNamespace(request_id="a"), 100) == 40
     sched._caps = None                                       # no plan in force: vLLM's split alone
