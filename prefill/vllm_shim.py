@@ -30,7 +30,10 @@ request's chunk for one step, so the plugin reaches inside it. The touch points:
   vLLM 0.32, a dict id -> ``RequestError`` from 0.33, re-bound every step; vLLM
   0.23 has none, and :func:`finish_failed` does what 0.27's ``update_from_output``
   does with it): :func:`preempt` and :func:`fail`, how the plugin frees memory
-  when its plan is empty (``LocalHost.unstick``).
+  when its plan is empty (``LocalHost.unstick``). A request preempted so may be resumed
+  in the same ``schedule()`` call, so :func:`preempt` also takes it out of
+  ``Scheduler.prev_step_scheduled_req_ids``, as vLLM's own forced preemption
+  (``reset_prefix_cache``) does.
 * ``Scheduler.finish_requests`` returns the requests it finished (vLLM 0.23:
   ``(request_id, client_index)`` pairs): :func:`finished_ids`.
 * ``vllm.v1.request.RequestStatus`` (WAITING, RUNNING, PREEMPTED,
@@ -104,6 +107,7 @@ _QUEUE_METHODS = ("add_request", "remove_requests", "prepend_requests")
 _PREEMPT = "_preempt_request"
 _PREEMPT_PARAMS = ["self", "request", "timestamp"]
 _ERRORS = "grammar_compile_error_reqs"
+_PREV_STEP = "prev_step_scheduled_req_ids"
 #: the hook where AsyncScheduler counts the tokens in flight (num_output_placeholders)
 _AFTER_SCHEDULE = "_update_after_schedule"
 #: request fields the plugin reads
@@ -331,6 +335,10 @@ def preempt(sched: Scheduler, request_id: str, timestamp: float) -> bool:
         return False
     sched.running.remove(req)
     sched._preempt_request(req, timestamp)
+    # it may be resumed within this very schedule() call: as vLLM's own forced preemption
+    # (reset_prefix_cache) does, count it as not scheduled in the step before, so that vLLM
+    # sends its token ids again (0.23 asserts on a resumed request scheduled in the step before)
+    getattr(sched, _PREV_STEP, set()).discard(request_id)
     return True
 
 

@@ -297,3 +297,30 @@ def test_the_kv_event_publisher_base_is_checked(monkeypatch):
     monkeypatch.setattr(vllm_events, "ZmqEventPublisher", Changed)
     with pytest.raises(vllm_shim.UnsupportedVLLM, match="takes no replay_endpoint, buffer_steps, hwm"):
         vllm_shim.event_publisher_base()
+
+
+def test_a_request_the_plugin_preempts_can_be_resumed_in_the_same_step():
+    """The plugin preempts a running request when its plan is empty and KV is held, then
+    plans again: vLLM may resume the request in that same schedule() call. vLLM must then
+    treat it as not scheduled in the step before (as its own forced preemption does), or
+    vLLM 0.23 fails the engine (``assert not scheduled_in_prev_step``) and later vLLMs send
+    no token ids for it."""
+    import time
+
+    from pd_helpers import vllm_scheduler
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request, RequestStatus
+    sched = vllm_scheduler({}, blocks=64, cls=Scheduler)       # vLLM's own: the shim's preempt alone
+    req = Request("r1", list(range(40)), SamplingParams(max_tokens=4), None)
+    sched.add_request(req)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens.get("r1") == 40 and req.status == RequestStatus.RUNNING
+    assert "r1" in sched.prev_step_scheduled_req_ids
+    assert vllm_shim.preempt(sched, "r1", time.time())
+    assert req.status == RequestStatus.PREEMPTED and "r1" not in sched.prev_step_scheduled_req_ids
+    assert req in sched.waiting
+    again = sched.schedule()       # vLLM 0.23 resumes it here (and asserted without the fix)
+    cached = again.scheduled_cached_reqs
+    if "r1" in cached.req_ids:                                # resumed ones are cached requests up to 0.33
+        assert "r1" in cached.all_token_ids                   # its token ids are sent again
